@@ -1,0 +1,1 @@
+"""Benchmarks: cases, harness, JSON results under bench/results/."""

@@ -1,0 +1,1 @@
+"""Lab helpers for notebooks: drawings, monitors, widgets, exercise checks."""

@@ -1,0 +1,205 @@
+"""TreePack: a rollout trie laid out as one packed sequence in DFS preorder.
+
+Walking the trie depth first and writing each node's tokens as they are visited stores every tree token
+exactly once. Preorder has one property everything else relies on: the subtree of a node occupies one
+contiguous range of the pack, starting at the node's first token. So with
+
+    subtree_end[k] = exclusive end of the packed range of the subtree of k's node,
+
+packed token q may attend packed token k (k is q itself or one of its ancestors on a rollout) exactly when
+
+    k <= q < subtree_end[k].
+
+Tokens inside one node see each other causally; tokens of a node see all of the node's ancestors; tokens
+of sibling branches never see each other. That single int32 vector replaces a T x T mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from .patterns.tree import tree_visibility
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .trie import RolloutTrie
+
+
+@dataclass(frozen=True, eq=False)
+class TreePack:
+    """Packed DFS-preorder layout of a :class:`RolloutTrie` (build with ``trie.pack()``).
+
+    Per packed token (length T): ``input_ids``, ``position_ids`` (index inside any rollout that contains
+    the token), ``node_id`` and ``subtree_end`` (int32). Per node: ``node_start`` / ``node_end`` (packed
+    range of the node's own tokens, empty for the root) and ``node_subtree_end``. Per sequence:
+    ``seq_lengths`` and ``seq_end_node``; ``seq_index(i)`` gives the packed positions of sequence i.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64
+    node_id: torch.Tensor  # [T] int64
+    subtree_end: torch.Tensor  # [T] int32
+    node_start: torch.Tensor  # [num_nodes + 1] int64, root included
+    node_end: torch.Tensor  # [num_nodes + 1] int64
+    node_subtree_end: torch.Tensor  # [num_nodes + 1] int64
+    node_parent: torch.Tensor  # [num_nodes + 1] int64, -1 for the root
+    seq_lengths: torch.Tensor  # [B] int64
+    seq_end_node: torch.Tensor  # [B] int64
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_trie(cls, trie: RolloutTrie, order: str = "insertion") -> TreePack:
+        order_ids = trie.preorder(order)
+        n_nodes = len(trie.nodes)
+        node_start = [0] * n_nodes
+        node_end = [0] * n_nodes
+        ids, pos, nid = [], [], []
+        for node in order_ids:
+            tok = trie.nodes[node].tokens
+            node_start[node] = len(ids)
+            ids.extend(tok)
+            d = trie.nodes[node].depth
+            pos.extend(range(d, d + len(tok)))
+            nid.extend([node] * len(tok))
+            node_end[node] = len(ids)
+        # subtree end: children come after their parent in preorder, so a reverse sweep suffices
+        sub_end = list(node_end)
+        for node in reversed(order_ids):
+            p = trie.nodes[node].parent
+            if p >= 0:
+                sub_end[p] = max(sub_end[p], sub_end[node])
+        node_sub_end = torch.tensor(sub_end, dtype=torch.int64)
+        node_id = torch.tensor(nid, dtype=torch.int64)
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            position_ids=torch.tensor(pos, dtype=torch.int64),
+            node_id=node_id,
+            subtree_end=node_sub_end[node_id].to(torch.int32),
+            node_start=torch.tensor(node_start, dtype=torch.int64),
+            node_end=torch.tensor(node_end, dtype=torch.int64),
+            node_subtree_end=node_sub_end,
+            node_parent=torch.tensor([n.parent for n in trie.nodes], dtype=torch.int64),
+            seq_lengths=torch.tensor(trie.seq_lengths, dtype=torch.int64),
+            seq_end_node=torch.tensor(trie.seq_end_node, dtype=torch.int64),
+        )
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_sequences(self) -> int:
+        return self.seq_lengths.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def attended_pairs(self) -> int:
+        """(query, key) pairs the tree attends: each token sees its position + 1 keys."""
+        return int((self.position_ids + 1).sum())
+
+    def flat_attended_pairs(self) -> int:
+        """Pairs causal attention attends when each sequence is its own sequence."""
+        lengths = self.seq_lengths
+        return int((lengths * (lengths + 1) // 2).sum())
+
+    # ------------------------------------------------------------------ sequences
+    def node_path(self, node: int) -> list[int]:
+        parent = self._cpu("node_parent")
+        out = []
+        while node > 0:
+            out.append(node)
+            node = int(parent[node])
+        return out[::-1]
+
+    def seq_index(self, i: int) -> torch.Tensor:
+        """LongTensor of the packed positions of sequence ``i`` in order (``input_ids[seq_index(i)]``)."""
+        n = self.num_sequences
+        if not -n <= i < n:
+            raise IndexError(f"sequence index {i} out of range for {n} sequences")
+        i = i % n
+        key = ("seq_index", i)
+        if key not in self._cache:
+            start, end = self._cpu("node_start"), self._cpu("node_end")
+            path = self.node_path(int(self._cpu("seq_end_node")[i]))
+            idx = torch.cat([torch.arange(int(start[p]), int(end[p])) for p in path])
+            self._cache[key] = idx.to(self.device)
+        return self._cache[key]
+
+    def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index [B, L], valid [B, L])``: packed position of each sequence's token, 0 where padded."""
+        if "padded_index" not in self._cache:
+            B, L = self.num_sequences, int(self.seq_lengths.max())
+            index = torch.zeros(B, L, dtype=torch.int64)
+            valid = torch.zeros(B, L, dtype=torch.bool)
+            for i in range(B):
+                idx = self.seq_index(i).cpu()
+                index[i, : idx.numel()] = idx
+                valid[i, : idx.numel()] = True
+            self._cache["padded_index"] = (index.to(self.device), valid.to(self.device))
+        return self._cache["padded_index"]
+
+    def to_padded(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """Packed ``[T, ...]`` -> padded per-sequence ``[B, L, ...]`` (shared tokens copied per sequence)."""
+        self._check_packed(x, "x")
+        index, valid = self.padded_index()
+        out = x[index]
+        shape = valid.shape + (1,) * (x.dim() - 1)
+        return out.masked_fill(~valid.view(shape), fill)
+
+    def from_padded(self, y: torch.Tensor) -> torch.Tensor:
+        """Padded ``[B, L, ...]`` -> packed ``[T, ...]``.
+
+        A token shared by several sequences takes the value of the last one in sequence order; for
+        per-token quantities that really are shared (ids, activations of a causal model) they agree.
+        """
+        index, valid = self.padded_index()
+        if y.dim() < 2 or tuple(y.shape[:2]) != tuple(index.shape):
+            raise ValueError(
+                f"padded tensor must be [B={index.shape[0]}, L={index.shape[1]}, ...], got {tuple(y.shape)}"
+            )
+        out = y.new_zeros((self.num_tokens,) + tuple(y.shape[2:]))
+        out[index[valid]] = y[valid.to(y.device)]
+        return out
+
+    def padded_input_ids(self, pad_id: int = 0) -> torch.Tensor:
+        return self.to_padded(self.input_ids, fill=pad_id)
+
+    # ------------------------------------------------------------------ masks and devices
+    def visibility_mask(self) -> torch.Tensor:
+        """Dense ``[T, T]`` bool: ``mask[q, k]`` = q may attend k. For small packs and drawings only."""
+        return tree_visibility(self.subtree_end)
+
+    def to(self, device) -> TreePack:
+        """A copy on ``device`` (the cache, which may hold device-specific masks, starts empty)."""
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in self.__dataclass_fields__
+            if name != "_cache"
+        }
+        return replace(self, **moved, _cache={})
+
+    def _cpu(self, name: str) -> torch.Tensor:
+        key = ("cpu", name)
+        if key not in self._cache:
+            self._cache[key] = getattr(self, name).cpu()
+        return self._cache[key]
+
+    def _check_packed(self, x: torch.Tensor, name: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"{name} must be packed [T={self.num_tokens}, ...], got {tuple(x.shape)}")
+        if x.device != self.device:
+            raise ValueError(f"{name} is on {x.device} but the pack is on {self.device}; use pack.to()")
+
+    def __repr__(self) -> str:
+        return (
+            f"TreePack(T={self.num_tokens}, sequences={self.num_sequences}, "
+            f"nodes={self.node_start.numel() - 1}, device={self.device})"
+        )

@@ -1,0 +1,160 @@
+"""TinyLM: a small GPT-style language model that reads top to bottom (after nanoGPT).
+
+RMSNorm -> attention (RoPE on position ids, grouped-query heads) -> residual -> RMSNorm -> SwiGLU MLP
+-> residual, repeated, then a final norm and the output head.
+
+The attention itself is injected: every block calls ``attention(q, k, v)`` on ``[..., N, H, D]``
+tensors. The same weights therefore run
+
+- per sequence, on a padded batch ``[B, L]`` with causal attention (``forward_padded``), or
+- once over a packed rollout tree ``[T]`` with tree attention (``forward_packed``),
+
+and because RoPE reads each token's position inside its rollout, both give the same logits for every
+token of every sequence. That identity is what makes tree training exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .attention import causal_attention, tree_attention
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TinyLMConfig:
+    vocab_size: int = 32000
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 344
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of ``x [..., N, H, D]`` at ``position_ids [..., N]``."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [..., N, D/2]
+    angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., N, 1, D]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: TinyLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x, position_ids, attention: Attention):
+        hd = self.cfg.head_dim
+        q = rearrange(self.wq(x), "... n (h d) -> ... n h d", d=hd)
+        k = rearrange(self.wk(x), "... n (h d) -> ... n h d", d=hd)
+        v = rearrange(self.wv(x), "... n (h d) -> ... n h d", d=hd)
+        q, k = rope(q, position_ids, self.cfg.rope_theta), rope(k, position_ids, self.cfg.rope_theta)
+        out = attention(q, k, v)
+        return self.wo(rearrange(out, "... n h d -> ... n (h d)"))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: TinyLMConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyLMConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = SelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, position_ids, attention: Attention):
+        x = x + self.attn(self.attn_norm(x), position_ids, attention)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, cfg: TinyLMConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or TinyLMConfig()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, input_ids, position_ids, attention: Attention) -> torch.Tensor:
+        """Logits for ``input_ids [..., N]`` at ``position_ids [..., N]`` with the given attention."""
+        if input_ids.dtype.is_floating_point:
+            raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if int(input_ids.max()) >= self.cfg.vocab_size or int(input_ids.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, position_ids, attention)
+        return self.head(self.norm(x))
+
+    def forward_padded(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-sequence logits ``[B, L, V]`` for a padded batch, with flat causal attention."""
+        B, L = input_ids.shape
+        pos = torch.arange(L, device=input_ids.device).expand(B, L)
+        return self(input_ids, pos, lambda q, k, v: causal_attention(q, k, v, lengths))
+
+    def forward_packed(self, pack, attention: Attention | None = None) -> torch.Tensor:
+        """Logits ``[T, V]`` over a :class:`TreePack`; ``attention`` defaults to the tree reference.
+
+        Pass ``lambda q, k, v: treeattn_lab.tree_attention(q, k, v, pack)`` to use a fast backend.
+        """
+        if attention is None:
+            attention = lambda q, k, v: tree_attention(q, k, v, pack.subtree_end)
+        return self(pack.input_ids, pack.position_ids, attention)

@@ -1,0 +1,69 @@
+"""What this machine can run: CUDA or not, Triton compiled or interpreted.
+
+Triton kernels run compiled on a CUDA GPU. Without one, they run under Triton's interpreter, which
+must be switched on through ``TRITON_INTERPRET=1`` *before* any kernel module is imported (``triton.jit``
+reads it when a kernel is defined). Importing :mod:`treeattn_lab` calls :func:`configure_triton` so
+notebooks and tests on a laptop get the interpreter without thinking about it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import sys
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def configure_triton() -> None:
+    """Switch Triton to its interpreter when no CUDA device exists (unless the user chose already)."""
+    if "TRITON_INTERPRET" not in os.environ and not cuda_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def environment_report() -> dict:
+    """A dictionary describing the versions, devices and attention backends available here."""
+    import torch
+
+    report = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": cuda_available(),
+        "triton": None,
+        "triton_mode": None,
+        "gpus": [],
+    }
+    if triton_installed():
+        import triton
+
+        report["triton"] = triton.__version__
+        report["triton_mode"] = "interpreter (CPU)" if triton_interpreted() else "compiled"
+    if report["cuda"]:
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            report["gpus"].append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
+    from .ops import available_backends
+
+    report["tree_attention_backends"] = available_backends("cuda" if report["cuda"] else "cpu")
+    return report
+
+
+def device_name() -> str:
+    """A short name of the device benchmarks run on (the GPU's name, or 'cpu')."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if cuda_available() else "cpu"

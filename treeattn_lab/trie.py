@@ -1,0 +1,361 @@
+"""RolloutTrie: RL rollouts stored as a radix-compressed prefix trie.
+
+Rollouts sampled from one prompt (or an agent's history that forks at every tool call) share long
+prefixes. A prefix trie stores each distinct prefix once: every root-to-node path spells a prefix that
+at least one rollout starts with, and a rollout is a path from the root to the node where it ends.
+
+Radix compression merges chains of single-child tokens into one node holding a run of tokens, so the
+number of nodes grows with the number of *forks*, not with the number of tokens. A node is split
+wherever a rollout ends inside it, so every rollout ends exactly at the last token of some node; that is
+how identical rollouts and rollouts that are prefixes of others are all kept.
+
+Node 0 is the root: it holds no tokens. Every other node holds at least one token.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import networkx
+
+    from .pack import TreePack
+
+ROOT = 0
+_FORMAT = "treeattn_lab.RolloutTrie"
+_FORMAT_VERSION = 1
+
+
+@dataclass
+class TrieNode:
+    """One radix node: a run of tokens, its place in the tree and the rollouts ending on it."""
+
+    tokens: list[int]
+    parent: int
+    depth: int  # tokens on the path from the root before this node's first token
+    children: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)  # indices of the sequences ending at this node
+
+    @property
+    def end_depth(self) -> int:
+        """Length of the prefix spelled by the path up to and including this node."""
+        return self.depth + len(self.tokens)
+
+
+def _as_token_list(seq, index: int) -> list[int]:
+    """Validate one rollout and return it as a list of Python ints (never mutating the input)."""
+    if isinstance(seq, torch.Tensor):
+        if seq.dim() != 1:
+            raise ValueError(f"sequence {index} is a {seq.dim()}-D tensor; expected a 1-D integer tensor")
+        if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
+            raise TypeError(f"sequence {index} has dtype {seq.dtype}; token ids must be an integer dtype")
+        tokens = seq.detach().cpu().tolist()
+    elif isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
+        raise TypeError(
+            f"sequence {index} is a {type(seq).__name__}; expected a list of ints or a 1-D integer tensor"
+        )
+    else:
+        tokens = []
+        for t in seq:
+            if isinstance(t, bool) or not hasattr(t, "__index__"):  # ints and numpy integers pass
+                raise TypeError(
+                    f"sequence {index} holds {t!r} of type {type(t).__name__}; token ids must be integers"
+                )
+            tokens.append(operator.index(t))
+    if len(tokens) == 0:
+        raise ValueError(f"sequence {index} is empty; every rollout needs at least one token")
+    bad = next((t for t in tokens if t < 0), None)
+    if bad is not None:
+        raise ValueError(f"sequence {index} holds the negative token id {bad}")
+    return tokens
+
+
+class RolloutTrie:
+    """A radix prefix trie over rollouts; build it with :meth:`from_sequences`.
+
+    Attributes:
+        nodes: ``nodes[0]`` is the empty root; the others each hold a run of tokens.
+        seq_end_node: ``seq_end_node[i]`` is the node whose last token is sequence i's last token.
+        seq_lengths: token count of each sequence.
+    """
+
+    def __init__(self, nodes: list[TrieNode], seq_end_node: list[int]):
+        self.nodes = nodes
+        self.seq_end_node = seq_end_node
+        self.seq_lengths = [nodes[n].end_depth for n in seq_end_node]
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_sequences(cls, seqs: Sequence) -> RolloutTrie:
+        """Build the trie of ``seqs`` (lists of ints or 1-D integer tensors), keeping every sequence."""
+        if isinstance(seqs, torch.Tensor):
+            if seqs.dim() != 2:
+                raise ValueError(
+                    f"a tensor of sequences must be 2-D [num_sequences, length], got {seqs.dim()}-D"
+                )
+            seqs = list(seqs.unbind(0))
+        if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Iterable):
+            raise TypeError(f"seqs must be a sequence of rollouts, got {type(seqs).__name__}")
+        token_lists = [_as_token_list(s, i) for i, s in enumerate(seqs)]
+        if not token_lists:
+            raise ValueError("no sequences given: a trie needs at least one rollout")
+        nodes = [TrieNode(tokens=[], parent=-1, depth=0)]
+        # first token of each child -> child id, one dict per node (kept beside the nodes while building)
+        child_by_token: list[dict[int, int]] = [{}]
+        for i, tokens in enumerate(token_lists):
+            nodes[_insert(nodes, child_by_token, tokens)].ends.append(i)
+        seq_end_node = [0] * len(token_lists)
+        for node_id, node in enumerate(nodes):
+            node.ends.sort()
+            for i in node.ends:
+                seq_end_node[i] = node_id
+        return cls(nodes, seq_end_node)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seq_end_node)
+
+    @property
+    def num_nodes(self) -> int:
+        """Token-holding nodes (the empty root is not counted)."""
+        return len(self.nodes) - 1
+
+    def sequence(self, i: int) -> list[int]:
+        """The tokens of sequence ``i``, read back from the trie."""
+        return [t for n in self.path(self.seq_end_node[i]) for t in self.nodes[n].tokens]
+
+    def sequences(self) -> list[list[int]]:
+        return [self.sequence(i) for i in range(self.num_sequences)]
+
+    def path(self, node: int) -> list[int]:
+        """Node ids from the root's child down to ``node`` (the root itself excluded)."""
+        out = []
+        while node != ROOT:
+            out.append(node)
+            node = self.nodes[node].parent
+        return out[::-1]
+
+    def subtree_tokens(self) -> list[int]:
+        """Tokens stored in each node's subtree (node included)."""
+        total = [len(n.tokens) for n in self.nodes]
+        for node in reversed(self.preorder()):
+            p = self.nodes[node].parent
+            if p >= 0:
+                total[p] += total[node]
+        return total
+
+    def preorder(self, order: str = "insertion") -> list[int]:
+        """Node ids in DFS preorder, root first.
+
+        ``order="insertion"`` visits children in the order they first appeared; ``order="size"`` visits the
+        child with the largest subtree (in tokens) first, which packs the heaviest branch next to its prefix.
+        """
+        if order not in ("insertion", "size"):
+            raise ValueError(f"order must be 'insertion' or 'size', got {order!r}")
+        size = self.subtree_tokens() if order == "size" else None
+        out, stack = [], [ROOT]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            kids = self.nodes[node].children
+            if size is not None:
+                kids = sorted(kids, key=lambda c: -size[c])  # stable: ties keep insertion order
+            stack.extend(reversed(kids))
+        return out
+
+    def leaves(self) -> list[int]:
+        return [i for i, n in enumerate(self.nodes) if i != ROOT and not n.children]
+
+    def stats(self) -> dict:
+        """Sizes, sharing and shape of the trie.
+
+        ``token_ratio`` = flat tokens / tree tokens is the saving in stored and MLP-computed tokens;
+        ``ideal_attention_ratio`` = causal pairs attended flat / pairs attended in the tree (diagonal
+        included) is the best an attention kernel over the packed tree can save.
+        """
+        lengths = self.seq_lengths
+        flat_tokens = sum(lengths)
+        tree_tokens = sum(len(n.tokens) for n in self.nodes)
+        flat_pairs = sum(L * (L + 1) // 2 for L in lengths)
+        # a token at depth d (0-based position) attends d + 1 keys: its ancestors and itself
+        tree_pairs = sum(
+            (n.depth + 1 + n.end_depth) * len(n.tokens) // 2 for n in self.nodes if n.tokens
+        )
+        real = self.nodes[1:]
+        internal = [n for n in real if n.children]
+        node_depth = self._node_depths()
+        leaf_ids = self.leaves()
+        return {
+            "num_sequences": self.num_sequences,
+            "num_nodes": self.num_nodes,
+            "num_leaves": len(leaf_ids),
+            "flat_tokens": flat_tokens,
+            "tree_tokens": tree_tokens,
+            "token_ratio": flat_tokens / tree_tokens,
+            "flat_attention_pairs": flat_pairs,
+            "tree_attention_pairs": tree_pairs,
+            "ideal_attention_ratio": flat_pairs / tree_pairs,
+            "max_sequence_length": max(lengths),
+            "mean_sequence_length": flat_tokens / len(lengths),
+            "max_node_depth": max(node_depth[1:]),
+            "mean_leaf_node_depth": sum(node_depth[i] for i in leaf_ids) / len(leaf_ids),
+            "root_branching": len(self.nodes[ROOT].children),
+            "max_branching": max((len(n.children) for n in real), default=0),
+            "mean_branching": (
+                sum(len(n.children) for n in internal) / len(internal) if internal else 0.0
+            ),
+            "mean_node_tokens": tree_tokens / max(self.num_nodes, 1),
+        }
+
+    def _node_depths(self) -> list[int]:
+        """Depth of each node in nodes (root 0, its children 1, ...)."""
+        depth = [0] * len(self.nodes)
+        for node in self.preorder()[1:]:
+            depth[node] = depth[self.nodes[node].parent] + 1
+        return depth
+
+    # ------------------------------------------------------------------ conversions
+    def pack(self, order: str = "insertion") -> TreePack:
+        """Pack the trie in DFS preorder: every tree token stored once (see :class:`TreePack`)."""
+        from .pack import TreePack
+
+        return TreePack.from_trie(self, order=order)
+
+    def to_networkx(self, preview_tokens: int = 8) -> networkx.DiGraph:
+        """A ``networkx.DiGraph`` with one vertex per node (root included) and parent -> child edges.
+
+        Vertex attributes: ``num_tokens``, ``depth`` (tokens before the node), ``end_depth``, ``preview``
+        (first token ids as text), ``ends`` (sequences ending there), ``node_depth`` (edges from the root).
+        """
+        import networkx as nx
+
+        g = nx.DiGraph()
+        node_depth = self._node_depths()
+        for i, n in enumerate(self.nodes):
+            head = " ".join(str(t) for t in n.tokens[:preview_tokens])
+            more = " ..." if len(n.tokens) > preview_tokens else ""
+            g.add_node(
+                i,
+                num_tokens=len(n.tokens),
+                depth=n.depth,
+                end_depth=n.end_depth,
+                preview=head + more,
+                ends=list(n.ends),
+                node_depth=node_depth[i],
+            )
+            if n.parent >= 0:
+                g.add_edge(n.parent, i)
+        return g
+
+    def to_dict(self) -> dict:
+        return {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "nodes": [{"parent": n.parent, "tokens": n.tokens} for n in self.nodes],
+            "seq_end_node": list(self.seq_end_node),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RolloutTrie:
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError(f"not a saved RolloutTrie (expected format {_FORMAT!r})")
+        if data.get("version") != _FORMAT_VERSION:
+            raise ValueError(f"unsupported RolloutTrie version {data.get('version')!r}")
+        raw = data["nodes"]
+        if not raw or raw[0]["parent"] != -1 or raw[0]["tokens"]:
+            raise ValueError("a saved trie must start with the empty root node")
+        nodes = []
+        for i, rn in enumerate(raw):
+            parent = int(rn["parent"])
+            if i > 0 and not (0 <= parent < i):
+                raise ValueError(f"node {i} names parent {parent}; parents must come before children")
+            depth = nodes[parent].end_depth if i > 0 else 0
+            nodes.append(TrieNode(tokens=[int(t) for t in rn["tokens"]], parent=parent, depth=depth))
+            if i > 0:
+                if not nodes[i].tokens:
+                    raise ValueError(f"node {i} holds no tokens")
+                nodes[parent].children.append(i)
+        seq_end_node = [int(n) for n in data["seq_end_node"]]
+        for i, n in enumerate(seq_end_node):
+            if not (0 < n < len(nodes)):
+                raise ValueError(f"sequence {i} ends at unknown node {n}")
+            nodes[n].ends.append(i)
+        return cls(nodes, seq_end_node)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the trie as JSON; :meth:`load` reads it back exactly (nodes, order and sequences)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, separators=(",", ":"))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RolloutTrie:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RolloutTrie) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"RolloutTrie({s['num_sequences']} sequences, {s['num_nodes']} nodes, "
+            f"{s['flat_tokens']} flat -> {s['tree_tokens']} tree tokens, x{s['token_ratio']:.2f})"
+        )
+
+
+def _insert(nodes: list[TrieNode], child_by_token: list[dict[int, int]], tokens: list[int]) -> int:
+    """Insert one rollout, splitting nodes as needed; return the node it ends at."""
+    node, pos = ROOT, 0
+    while pos < len(tokens):
+        child = child_by_token[node].get(tokens[pos])
+        if child is None:  # a new branch: the whole rest becomes one node
+            new = len(nodes)
+            nodes.append(TrieNode(tokens=tokens[pos:], parent=node, depth=pos))
+            child_by_token.append({})
+            nodes[node].children.append(new)
+            child_by_token[node][tokens[pos]] = new
+            return new
+        run = nodes[child].tokens
+        common = _common_prefix(run, tokens, pos)
+        if common < len(run):  # the rollout leaves (or ends inside) this node: split it
+            _split(nodes, child_by_token, child, common)
+        node, pos = child, pos + common
+    return node
+
+
+def _common_prefix(run: list[int], tokens: list[int], start: int) -> int:
+    n = min(len(run), len(tokens) - start)
+    if run[:n] == tokens[start : start + n]:
+        return n
+    lo = 0
+    while lo < n and run[lo] == tokens[start + lo]:
+        lo += 1
+    return lo
+
+
+def _split(nodes: list[TrieNode], child_by_token: list[dict[int, int]], node: int, at: int) -> None:
+    """Split ``node`` after ``at`` tokens: ``node`` keeps the head, a new child takes the tail.
+
+    Keeping the id on the head means every existing parent pointer stays valid.
+    """
+    old = nodes[node]
+    tail = TrieNode(
+        tokens=old.tokens[at:], parent=node, depth=old.depth + at, children=old.children, ends=old.ends
+    )
+    tail_id = len(nodes)
+    nodes.append(tail)
+    child_by_token.append(child_by_token[node])
+    for c in tail.children:
+        nodes[c].parent = tail_id
+    old.tokens = old.tokens[:at]
+    old.children = [tail_id]
+    old.ends = []  # rollouts that ended at the old last token now end at the tail
+    child_by_token[node] = {tail.tokens[0]: tail_id}
