@@ -4,9 +4,10 @@
 - Readable references in :mod:`treeattn_lab.reference`; Triton kernels in :mod:`treeattn_lab.kernels`.
 """
 
-from .runtime import configure_triton
+from .runtime import configure_triton, link_source_kernels
 
 configure_triton()  # before any kernel module is imported
+link_source_kernels()  # a source checkout run without installing: kernels/ -> treeattn_lab.kernels
 
 from .ops import available_backends, tree_attention  # noqa: E402
 from .pack import TreePack  # noqa: E402

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import platform
 import sys
+from pathlib import Path
 
 
 def cuda_available() -> bool:
@@ -24,6 +25,25 @@ def configure_triton() -> None:
     """Switch Triton to its interpreter when no CUDA device exists (unless the user chose already)."""
     if "TRITON_INTERPRET" not in os.environ and not cuda_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def link_source_kernels() -> None:
+    """Make ``treeattn_lab.kernels`` importable from a source checkout that was never installed.
+
+    Installs map the top-level ``kernels/`` folder to ``treeattn_lab.kernels``; when the package is
+    imported straight from the repository (``PYTHONPATH=.``), register that folder under the same name.
+    """
+    name = "treeattn_lab.kernels"
+    if name in sys.modules or importlib.util.find_spec(name) is not None:
+        return
+    folder = Path(__file__).resolve().parents[1] / "kernels"
+    init = folder / "__init__.py"
+    if not init.is_file():
+        return
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
 
 
 def triton_installed() -> bool:

@@ -68,7 +68,12 @@ def _as_token_list(seq, index: int) -> list[int]:
                 raise TypeError(
                     f"sequence {index} holds {t!r} of type {type(t).__name__}; token ids must be integers"
                 )
-            tokens.append(operator.index(t))
+            try:
+                tokens.append(operator.index(t))
+            except TypeError:  # e.g. a float 0-D tensor, which has __index__ but refuses it
+                raise TypeError(
+                    f"sequence {index} holds {t!r} of type {type(t).__name__}; token ids must be integers"
+                ) from None
     if len(tokens) == 0:
         raise ValueError(f"sequence {index} is empty; every rollout needs at least one token")
     bad = next((t for t in tokens if t < 0), None)
@@ -111,6 +116,9 @@ class RolloutTrie:
         child_by_token: list[dict[int, int]] = [{}]
         for i, tokens in enumerate(token_lists):
             nodes[_insert(nodes, child_by_token, tokens)].ends.append(i)
+        # splits give the head of a node its old id and the tail a new one, so a tail's inherited children
+        # can have smaller ids than their parent; number the nodes in preorder so parents come first
+        nodes = _renumber_preorder(nodes)
         seq_end_node = [0] * len(token_lists)
         for node_id, node in enumerate(nodes):
             node.ends.sort()
@@ -259,7 +267,7 @@ class RolloutTrie:
         return {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
-            "nodes": [{"parent": n.parent, "tokens": n.tokens} for n in self.nodes],
+            "nodes": [{"parent": n.parent, "tokens": list(n.tokens)} for n in self.nodes],
             "seq_end_node": list(self.seq_end_node),
         }
 
@@ -329,6 +337,26 @@ def _insert(nodes: list[TrieNode], child_by_token: list[dict[int, int]], tokens:
             _split(nodes, child_by_token, child, common)
         node, pos = child, pos + common
     return node
+
+
+def _renumber_preorder(nodes: list[TrieNode]) -> list[TrieNode]:
+    """The same tree with node ids in DFS preorder (children in their order): parents before children."""
+    order, stack = [], [ROOT]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(nodes[node].children))
+    new_id = {old: new for new, old in enumerate(order)}
+    return [
+        TrieNode(
+            tokens=nodes[old].tokens,
+            parent=new_id[nodes[old].parent] if old != ROOT else -1,
+            depth=nodes[old].depth,
+            children=[new_id[c] for c in nodes[old].children],
+            ends=nodes[old].ends,
+        )
+        for old in order
+    ]
 
 
 def _common_prefix(run: list[int], tokens: list[int], start: int) -> int:

@@ -16,7 +16,7 @@ from einops import rearrange
 from ..patterns.tree import tree_mask_mod
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -1,0 +1,68 @@
+# treeattn_lab: two commands.
+#   make lab   -> .venv with everything a learner needs, then JupyterLab on notebooks/
+#   make test  -> .venv with the dev extras, then the whole suite (notebooks included)
+#
+# torch: a torch importable by $(PYTHON) (a cloud GPU notebook) is kept: the venv then sees the system
+# site-packages. Otherwise: a CUDA build from PyPI where an NVIDIA GPU is present, else the CPU build
+# (a local wheel when pip's find-links has one, else the CPU index) so CPU machines never pull CUDA wheels.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+TORCH_CPU_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+
+.PHONY: lab test venv torch lint bench-tree clean
+
+$(PY):
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	  echo "[make] $(PYTHON) already has torch: creating $(VENV) on top of its site-packages"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV); \
+	fi
+	$(PIP) install -q --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored" || true
+
+venv: $(PY)
+
+$(VENV)/.torch: $(PY)
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  echo "[make] keeping torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "[make] NVIDIA GPU found: installing the CUDA build of torch"; \
+	  $(PIP) install -q torch; \
+	elif $(PIP) install -q --no-index "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then \
+	  echo "[make] installed the local CPU wheel of torch $(TORCH_CPU_VERSION)"; \
+	else \
+	  echo "[make] no GPU: installing the CPU build of torch $(TORCH_CPU_VERSION)"; \
+	  $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	fi
+	@touch $@
+
+torch: $(VENV)/.torch
+
+$(VENV)/.lab: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e . 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import treeattn_lab, jupyterlab" && touch $@
+
+$(VENV)/.dev: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import treeattn_lab, pytest, hypothesis, nbclient" && touch $@ $(VENV)/.lab
+
+lab: $(VENV)/.lab
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+
+test: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -n 2 --dist loadgroup -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+
+bench-tree: $(VENV)/.lab
+	$(PY) -m treeattn_lab bench tree
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

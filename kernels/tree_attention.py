@@ -1,0 +1,451 @@
+"""Tree attention in Triton: FlashAttention-2 over a DFS-preorder pack, skipping invisible tiles.
+
+The rule
+--------
+A rollout trie packed in DFS preorder (see ``treeattn_lab.pack``) gives every token ``k`` the exclusive
+end ``subtree_end[k]`` of its node's subtree, and packed query ``q`` attends key ``k`` exactly when
+
+    k <= q < subtree_end[k].
+
+The tile schedule
+-----------------
+Cut queries into tiles of BLOCK_M rows and keys into tiles of BLOCK_N columns. For a query tile
+``[q0, q1)`` a key tile is
+
+- *invisible* when no query of the tile sees any of its keys: it is never loaded;
+- *full* when every query sees every key (``max k <= q0`` and ``min subtree_end >= q1``): computed
+  with no mask at all, exactly like a dense FlashAttention tile;
+- *partial* otherwise (the diagonal tiles, and tiles where a branch starts or ends): computed with the
+  element mask evaluated from ``subtree_end``.
+
+Why this is cheap to find: a key ``k < q0`` is visible from some query of the tile only if
+``q0`` itself lies in k's subtree, i.e. only the ancestors of the tile's first query matter. Those are
+the nodes on one root-to-node path, a handful of contiguous packed ranges. So each query tile visits
+its diagonal tile(s) plus the tiles covering one path, and sibling branches cost nothing.
+
+The schedule (a CSR list of key tiles per query tile, full tiles first, then partial ones) is built
+once per pack on its device (:func:`tile_schedule`) and cached on the pack: every layer and head of a
+model reuses it. The backward pass visits the transposed schedule (query tiles per key tile).
+
+Forward (one program per query tile and query head)
+---------------------------------------------------
+Online softmax in base 2: scores are scaled by ``scale * log2(e)``; per row the running maximum ``m``,
+the running sum ``l`` and the fp32 accumulator are rescaled by ``exp2(m_old - m_new)`` whenever a new
+tile raises the maximum. At the end ``out = acc / l`` and the log-sum-exp ``lse = m + log2(l)`` (base 2)
+is saved for the backward pass: it is all that is needed to recompute any probability,
+``p = exp2(s - lse)``.
+
+Backward (FlashAttention-2)
+---------------------------
+``delta = rowsum(dO * O)``; then with ``p`` recomputed from ``lse``:
+
+    dV += p^T dO,   dP = dO V^T,   dS = p * (dP - delta),   dK += dS^T Q * scale,   dQ += dS K * scale.
+
+One kernel owns a key tile and a kv head and loops over the query tiles that see it and over the G
+query heads sharing that kv head (grouped-query attention), so dK and dV need no atomics. A second
+kernel owns a query tile and head and accumulates dQ over the forward schedule.
+
+Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use IEEE fp32
+dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32 / fp16 there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------- schedule
+def tile_schedule(subtree_end: torch.Tensor, block_m: int, block_n: int) -> dict:
+    """Which key tiles each query tile visits (and the transpose), as CSR arrays on the pack's device.
+
+    Returns ``fwd_ptr [nQ, 3]`` (start, end of full tiles, end of all tiles) with ``fwd_idx`` the key
+    tile ids, and ``bwd_ptr [nK, 3]`` / ``bwd_idx`` listing query tiles per key tile, plus counts.
+    Memory is one bool per (query tile, key tile) pair while building.
+    """
+    dev = subtree_end.device
+    T = subtree_end.numel()
+    nq, nk = triton.cdiv(T, block_m), triton.cdiv(T, block_n)
+    se = subtree_end.to(torch.int64)
+    pad = nk * block_n - T
+    tiles = torch.nn.functional.pad(se, (0, pad), value=0).view(nk, block_n)
+    max_se = tiles.amax(1)
+    min_se = torch.nn.functional.pad(se, (0, pad), value=T + 1).view(nk, block_n).amin(1)
+    k_start = torch.arange(nk, device=dev) * block_n
+    k_end = (k_start + block_n).clamp(max=T)
+    q0 = torch.arange(nq, device=dev) * block_m
+    q1 = (q0 + block_m).clamp(max=T)
+    # a key tile is seen if it holds a key inside [q0, q1) or a key < q0 whose subtree reaches q0
+    visible = (k_start[None, :] < q1[:, None]) & (
+        (k_end[None, :] > q0[:, None]) | (max_se[None, :] > q0[:, None])
+    )
+    whole_k = k_end - k_start == block_n
+    whole_q = q1 - q0 == block_m
+    full = (
+        visible
+        & whole_q[:, None]
+        & whole_k[None, :]
+        & (k_end[None, :] - 1 <= q0[:, None])
+        & (min_se[None, :] >= q1[:, None])
+    )
+    partial = visible & ~full
+    fwd_ptr, fwd_idx = _csr(full, partial)
+    bwd_ptr, bwd_idx = _csr(full.T, partial.T)
+    return {
+        "block_m": block_m,
+        "block_n": block_n,
+        "fwd_ptr": fwd_ptr,
+        "fwd_idx": fwd_idx,
+        "bwd_ptr": bwd_ptr,
+        "bwd_idx": bwd_idx,
+        "full_tiles": int(full.sum()),
+        "partial_tiles": int(partial.sum()),
+        "total_tiles": nq * nk,
+    }
+
+
+def _csr(full: torch.Tensor, partial: torch.Tensor):
+    """Rows of column ids, each row's full columns first; ``ptr[r] = (start, full_end, end)``."""
+    n_full, n_part = full.sum(1), partial.sum(1)
+    rows_f, cols_f = full.nonzero(as_tuple=True)
+    rows_p, cols_p = partial.nonzero(as_tuple=True)
+    rows = torch.cat([rows_f, rows_p])
+    cols = torch.cat([cols_f, cols_p])
+    order = torch.sort(rows, stable=True).indices  # stable: full entries stay ahead in each row
+    start = torch.cumsum(n_full + n_part, 0) - (n_full + n_part)
+    ptr = torch.stack([start, start + n_full, start + n_full + n_part], dim=1)
+    return ptr.to(torch.int32).contiguous(), cols[order].to(torch.int32).contiguous()
+
+
+# --------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_tile(
+    acc, m_i, l_i, q, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n.to(tl.int64)
+    if MASKED:
+        in_range = offs_n < T
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        se = tl.load(SE + offs_n, mask=in_range, other=0)
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+    else:
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
+        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attn_fwd(
+    Q, K, V, O, LSE, SE, PTR, IDX,
+    T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m.to(tl.int64)
+    in_range = offs_m < T
+    q = tl.load(Q + head * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    K += kv_head * stride_kh
+    V += kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    start = tl.load(PTR + tile * 3)
+    full_end = tl.load(PTR + tile * 3 + 1)
+    end = tl.load(PTR + tile * 3 + 2)
+    for it in range(start, full_end):  # whole tiles every query sees: no mask
+        j = tl.load(IDX + it)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
+                                  qk_scale, BLOCK_N, False, DOT_PRECISION)
+    for it in range(full_end, end):  # diagonal and branch-boundary tiles: element mask
+        j = tl.load(IDX + it)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
+                                  qk_scale, BLOCK_N, True, DOT_PRECISION)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(O + head * stride_oh + rows[:, None] * stride_ot + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=in_range[:, None])
+    tl.store(LSE + head * T + offs_m, m_i + tl.log2(l_safe), mask=in_range)
+
+
+# --------------------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_dkdv_tile(
+    dk, dv, k, v, Q, DO, LSE, DELTA, SE, i, offs_n, offs_d, T, stride_qt, stride_dot, qk_scale,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m.to(tl.int64)
+    if MASKED:
+        in_range = offs_m < T
+        q = tl.load(Q + rows[:, None] * stride_qt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        do = tl.load(DO + rows[:, None] * stride_dot + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        lse = tl.load(LSE + offs_m, mask=in_range, other=0.0)
+        delta = tl.load(DELTA + offs_m, mask=in_range, other=0.0)
+    else:
+        q = tl.load(Q + rows[:, None] * stride_qt + offs_d[None, :])
+        do = tl.load(DO + rows[:, None] * stride_dot + offs_d[None, :])
+        lse = tl.load(LSE + offs_m)
+        delta = tl.load(DELTA + offs_m)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+    p_t = tl.exp2(s_t - lse[None, :])
+    if MASKED:
+        se = tl.load(SE + offs_n, mask=offs_n < T, other=0)
+        visible = (offs_n[:, None] <= offs_m[None, :]) & (offs_m[None, :] < se[:, None])
+        p_t = tl.where(visible, p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _tree_attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV, SE, PTR, IDX,
+    T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    qk_scale, scale,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_n.to(tl.int64)
+    in_range = offs_n < T
+    k = tl.load(K + kv_head * stride_kh + rows[:, None] * stride_kt + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    v = tl.load(V + kv_head * stride_vh + rows[:, None] * stride_vt + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    start = tl.load(PTR + tile * 3)
+    full_end = tl.load(PTR + tile * 3 + 1)
+    end = tl.load(PTR + tile * 3 + 2)
+    for g in range(GROUP):  # the query heads that share this kv head
+        head = kv_head * GROUP + g
+        Qh = Q + head * stride_qh
+        DOh = DO + head * stride_doh
+        LSEh = LSE + head * T
+        DELTAh = DELTA + head * T
+        for it in range(start, full_end):
+            i = tl.load(IDX + it)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, SE, i, offs_n, offs_d, T,
+                                    stride_qt, stride_dot, qk_scale, BLOCK_M, False, DOT_PRECISION)
+        for it in range(full_end, end):
+            i = tl.load(IDX + it)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, SE, i, offs_n, offs_d, T,
+                                    stride_qt, stride_dot, qk_scale, BLOCK_M, True, DOT_PRECISION)
+    tl.store(DK + kv_head * stride_dkh + rows[:, None] * stride_dkt + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=in_range[:, None])
+    tl.store(DV + kv_head * stride_dvh + rows[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=in_range[:, None])
+
+
+@triton.jit
+def _bwd_dq_tile(
+    dq, q, do, lse, delta, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n.to(tl.int64)
+    if MASKED:
+        in_range = offs_n < T
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
+        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        se = tl.load(SE + offs_n, mask=in_range, other=0)
+        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tree_attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ, SE, PTR, IDX,
+    T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh,
+    qk_scale, scale,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m.to(tl.int64)
+    in_range = offs_m < T
+    q = tl.load(Q + head * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    do = tl.load(DO + head * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
+                 mask=in_range[:, None], other=0.0)
+    lse = tl.load(LSE + head * T + offs_m, mask=in_range, other=0.0)
+    delta = tl.load(DELTA + head * T + offs_m, mask=in_range, other=0.0)
+    K += kv_head * stride_kh
+    V += kv_head * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    start = tl.load(PTR + tile * 3)
+    full_end = tl.load(PTR + tile * 3 + 1)
+    end = tl.load(PTR + tile * 3 + 2)
+    for it in range(start, full_end):
+        j = tl.load(IDX + it)
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
+                          qk_scale, BLOCK_N, False, DOT_PRECISION)
+    for it in range(full_end, end):
+        j = tl.load(IDX + it)
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
+                          qk_scale, BLOCK_N, True, DOT_PRECISION)
+    tl.store(DQ + head * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=in_range[:, None])
+
+
+# --------------------------------------------------------------------------------------- launchers
+# Launch settings per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen with
+# `python -m treeattn_lab bench tree-tune` on an H200 (bench/results/); the interpreter ignores the last two.
+CONFIGS = {  # head_dim -> {"fwd" | "dkdv" | "dq": config}
+    64: {"fwd": (128, 128, 8, 3), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
+    128: {"fwd": (128, 128, 8, 3), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
+}
+_SMALL_HEAD_CONFIG = {"fwd": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(q, k, v):
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head dim {d} is not supported by the triton backend; use one of {SUPPORTED_HEAD_DIMS}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {q.dtype} is not supported by the triton backend; use fp16, bf16 or fp32")
+
+
+def _forward(q, k, v, subtree_end, sched, launch, scale):
+    T, hq, d = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((hq, T), device=q.device, dtype=torch.float32)
+    _tree_attn_fwd[(triton.cdiv(T, sched["block_m"]), hq)](
+        q, k, v, o, lse, subtree_end, sched["fwd_ptr"], sched["fwd_idx"],
+        T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), scale * LOG2E, **_launch(sched, launch, q.dtype, hq // k.shape[1], d),
+    )
+    return o, lse
+
+
+def _launch(sched, launch, dtype, group, head_dim):
+    return dict(GROUP=group, BLOCK_M=sched["block_m"], BLOCK_N=sched["block_n"], HEAD_DIM=head_dim,
+                DOT_PRECISION=_dot_precision(dtype), num_warps=launch[0], num_stages=launch[1])
+
+
+def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sched, dq_launch, scale):
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    do = do.contiguous()
+    delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [Hq, T]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _tree_attn_bwd_dkdv[(triton.cdiv(T, dkdv_sched["block_n"]), hkv)](
+        q, k, v, do, lse, delta, dk, dv, subtree_end, dkdv_sched["bwd_ptr"], dkdv_sched["bwd_idx"],
+        T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        scale * LOG2E, scale, **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // hkv, d),
+    )
+    _tree_attn_bwd_dq[(triton.cdiv(T, dq_sched["block_m"]), hq)](
+        q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
+        T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        scale * LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d),
+    )
+    return dq, dk, dv
+
+
+class TreeAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: forward saves (q, k, v, o, lse); backward recomputes probabilities from lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, subtree_end, scale, fwd_plan, dkdv_plan, dq_plan):
+        o, lse = _forward(q, k, v, subtree_end, *fwd_plan, scale)
+        ctx.save_for_backward(q, k, v, o, lse, subtree_end)
+        ctx.scale, ctx.dkdv_plan, ctx.dq_plan = scale, dkdv_plan, dq_plan
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, subtree_end = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, subtree_end, *ctx.dkdv_plan, *ctx.dq_plan, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def schedule_for(pack, block_m: int, block_n: int) -> dict:
+    """The tile schedule of ``pack`` for these tile sizes, built once and cached on the pack."""
+    key = ("triton_tree_schedule", block_m, block_n, str(pack.device))
+    if key not in pack._cache:
+        pack._cache[key] = tile_schedule(pack.subtree_end, block_m, block_n)
+    return pack._cache[key]
+
+
+def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_config=None, dq_config=None,
+                          return_lse=False):
+    """Tree attention with the Triton kernels (inputs already validated by ``treeattn_lab.ops``).
+
+    ``fwd_config`` / ``dkdv_config`` / ``dq_config`` override a kernel's launch as
+    ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tile sizes are powers of two >= 16; small tiles make
+    small tests exercise many tiles). With ``return_lse`` also returns the natural-log log-sum-exp
+    ``[T, Hq]``.
+    """
+    _check(q, k, v)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    defaults = CONFIGS.get(d, _SMALL_HEAD_CONFIG)
+
+    def plan(config, kernel):
+        bm, bn, warps, stages = config or defaults[kernel]
+        return schedule_for(pack, bm, bn), (warps, stages)
+
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    o, lse2 = TreeAttentionFunction.apply(
+        q, k, v, pack.subtree_end.contiguous(), scale,
+        plan(fwd_config, "fwd"), plan(dkdv_config, "dkdv"), plan(dq_config, "dq"),
+    )
+    if return_lse:
+        return o, lse2.transpose(0, 1) / LOG2E
+    return o

@@ -1,0 +1,121 @@
+"""Shared test setup: the Triton interpreter switch, hypothesis profiles and rollout strategies.
+
+Test modules import the strategies with ``from tests.conftest import rollout_forests`` (pytest runs in
+``--import-mode=importlib``, which registers this file as ``tests.conftest``).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before treeattn_lab (and any Triton kernel) is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import hypothesis.strategies as st  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import treeattn_lab  # noqa: E402, F401  (configures Triton before any kernel module)
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    parent=settings.get_profile("ci"),
+    max_examples=500,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# ---------------------------------------------------------------------------------------------- forests
+@st.composite
+def rollout_forests(draw, max_sequences: int = 8, max_len: int = 20, max_vocab: int = 50):
+    """A list of rollouts (lists of non-negative ints) shaped like RL rollouts, awkward cases included.
+
+    Mixes fresh sequences, exact duplicates, sequences that are prefixes of earlier ones, extensions of
+    earlier ones (which makes the earlier one a prefix), single-token rollouts, deep chains (one long
+    rollout plus prefixes of it) and wide fans (a shared prompt forking into many short tails). A tiny
+    vocabulary is drawn often so that independent rollouts collide on their first tokens.
+    """
+    vocab = draw(st.sampled_from([1, 2, 3, 5, max_vocab]))
+    tok = st.integers(0, vocab - 1)
+    shape = draw(st.sampled_from(["mixed", "mixed", "chain", "fan", "singles"]))
+    seqs: list[list[int]] = []
+    if shape == "chain":
+        base = draw(st.lists(tok, min_size=1, max_size=3 * max_len))
+        seqs.append(base)
+        for _ in range(draw(st.integers(0, max_sequences - 1))):
+            cut = draw(st.integers(1, len(base)))
+            seqs.append(base[:cut])
+    elif shape == "fan":
+        prompt = draw(st.lists(tok, min_size=0, max_size=max_len))
+        for _ in range(draw(st.integers(1, 2 * max_sequences))):
+            tail = draw(st.lists(st.integers(0, max_vocab - 1), min_size=0 if prompt else 1, max_size=2))
+            seqs.append(prompt + tail)
+    elif shape == "singles":
+        seqs = draw(st.lists(st.lists(tok, min_size=1, max_size=1), min_size=1, max_size=max_sequences))
+    else:
+        for _ in range(draw(st.integers(1, max_sequences))):
+            kind = draw(st.sampled_from(["fresh", "extend", "prefix", "duplicate"])) if seqs else "fresh"
+            if kind == "fresh":
+                seqs.append(draw(st.lists(tok, min_size=1, max_size=max_len)))
+                continue
+            base = seqs[draw(st.integers(0, len(seqs) - 1))]
+            if kind == "duplicate":
+                seqs.append(list(base))
+            elif kind == "prefix":
+                seqs.append(base[: draw(st.integers(1, len(base)))])
+            else:
+                cut = draw(st.integers(0, len(base)))
+                tail = draw(st.lists(tok, min_size=0 if cut else 1, max_size=max_len // 2))
+                seqs.append(base[:cut] + tail)
+    perm = draw(st.permutations(range(len(seqs))))
+    return [seqs[i] for i in perm]
+
+
+@st.composite
+def rollout_inputs(draw, forest=None):
+    """``(forest, inputs)``: the same rollouts, each given as a list, tuple or integer tensor."""
+    forest = draw(rollout_forests()) if forest is None else forest
+    inputs = []
+    for s in forest:
+        kind = draw(st.sampled_from(["list", "tuple", "int64", "int32", "int16"]))
+        if kind == "list":
+            inputs.append(list(s))
+        elif kind == "tuple":
+            inputs.append(tuple(s))
+        else:
+            dtype = getattr(torch, kind)
+            inputs.append(torch.tensor(s, dtype=dtype))
+    return forest, inputs
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+seeds = st.integers(0, 2**32 - 1)
+orders = st.sampled_from(["insertion", "size"])
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(gen: torch.Generator, *shape, dtype=torch.float64, requires_grad: bool = False) -> torch.Tensor:
+    x = torch.randn(*shape, generator=gen, dtype=dtype)
+    return x.requires_grad_(requires_grad)
+
+
+@st.composite
+def head_configs(draw):
+    """``(Hq, Hkv, D)``: plain multi-head (Hq = Hkv), GQA with Hq = 2 Hkv and a few other groupings."""
+    hkv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 2, 3]))
+    d = draw(st.sampled_from([2, 3, 8, 16]))
+    return hkv * group, hkv, d
+
+
+def distinct_prefixes(seqs) -> set[tuple[int, ...]]:
+    """Every non-empty prefix of every rollout, each once."""
+    return {tuple(s[: j + 1]) for s in seqs for j in range(len(s))}

@@ -1,0 +1,122 @@
+"""TinyLM: logits over a packed rollout tree equal per-sequence logits (float64), GQA included."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.conftest import orders, rollout_forests, seeds
+from treeattn_lab import RolloutTrie
+from treeattn_lab import tree_attention as ops_tree_attention
+from treeattn_lab.reference import TinyLM, TinyLMConfig
+from treeattn_lab.reference.tiny_lm import rope
+
+VOCAB = 50
+
+configs = st.sampled_from(
+    [
+        TinyLMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48),  # GQA
+        TinyLMConfig(vocab_size=VOCAB, dim=24, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=40),  # MHA
+        TinyLMConfig(vocab_size=VOCAB, dim=36, n_layers=1, n_heads=6, n_kv_heads=2, ffn_dim=20),  # G=3
+    ]
+)
+
+
+def make_model(cfg: TinyLMConfig, seed: int, dtype=torch.float64) -> TinyLM:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyLM(cfg)
+        for p in model.parameters():  # std 0.02 everywhere makes attention nearly uniform: sharpen it
+            p.data.normal_(0, 0.3)
+    return model.to(dtype).eval()
+
+
+@given(rollout_forests(max_vocab=VOCAB), orders, configs, seeds)
+def test_packed_logits_equal_per_sequence_logits(seqs, order, cfg, seed):
+    pack = RolloutTrie.from_sequences(seqs).pack(order)
+    model = make_model(cfg, seed)
+    with torch.no_grad():
+        packed = model.forward_packed(pack)
+        padded = model.forward_padded(pack.padded_input_ids(), pack.seq_lengths)
+        unmasked = model.forward_padded(pack.padded_input_ids(pad_id=VOCAB - 1))
+    assert packed.shape == (pack.num_tokens, VOCAB) and packed.dtype == torch.float64
+    _, valid = pack.padded_index()
+    expected = padded[valid]
+    torch.testing.assert_close(pack.to_padded(packed)[valid], expected, rtol=1e-9, atol=1e-9)
+    # causal attention never lets a real token see the padding that follows it
+    torch.testing.assert_close(unmasked[valid], expected, rtol=1e-9, atol=1e-9)
+    for i, s in enumerate(seqs):  # one rollout at a time, no padding at all
+        with torch.no_grad():
+            alone = model.forward_padded(torch.tensor([s]))[0]
+        torch.testing.assert_close(packed[pack.seq_index(i)], alone, rtol=1e-9, atol=1e-9)
+
+
+@given(rollout_forests(max_sequences=4, max_len=10, max_vocab=VOCAB), seeds)
+def test_packed_gradients_equal_per_sequence_gradients(seqs, seed):
+    """Tree training is exact: the summed per-sequence loss has the same parameter gradients."""
+    cfg = TinyLMConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24)
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    model = make_model(cfg, seed)
+    _, valid = pack.padded_index()
+    g = torch.Generator().manual_seed(seed ^ 7)
+    weights = torch.randn(valid.shape + (VOCAB,), generator=g, dtype=torch.float64) * valid[..., None]
+
+    flat = model.forward_padded(pack.padded_input_ids(), pack.seq_lengths)
+    grads_flat = torch.autograd.grad((flat * weights).sum(), list(model.parameters()))
+    tree = model.forward_packed(pack)
+    grads_tree = torch.autograd.grad((pack.to_padded(tree) * weights).sum(), list(model.parameters()))
+    for (name, _), a, b in zip(model.named_parameters(), grads_tree, grads_flat, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@given(rollout_forests(max_sequences=4, max_len=12, max_vocab=VOCAB), seeds)
+def test_forward_packed_with_ops_backends(seqs, seed):
+    cfg = TinyLMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    model = make_model(cfg, seed, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model.forward_packed(pack)
+        flex = model.forward_packed(pack, lambda q, k, v: ops_tree_attention(q, k, v, pack, backend="flex"))
+    torch.testing.assert_close(flex, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_is_relative():
+    """RoPE scores depend only on the distance between positions."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, 8, generator=g, dtype=torch.float64)
+
+    def score(pq, pk):
+        rq = rope(q, torch.tensor([pq]), 10000.0)
+        rk = rope(k, torch.tensor([pk]), 10000.0)
+        return (rq * rk).sum()
+
+    torch.testing.assert_close(score(5, 3), score(12, 10))
+    torch.testing.assert_close(score(0, 0), (q * k).sum())
+    assert not torch.allclose(score(5, 3), score(5, 4))
+
+
+def test_rmsnorm_keeps_float64_precision():
+    model = make_model(TinyLMConfig(vocab_size=VOCAB, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=8), 0)
+    x = torch.randn(3, 8, dtype=torch.float64) * (1 + 1e-12)
+    out = model.norm(x)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.cfg.norm_eps) * model.norm.weight
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="n_heads"):
+        TinyLMConfig(dim=30, n_heads=4)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        TinyLMConfig(dim=32, n_heads=4, n_kv_heads=3)
+
+
+def test_token_id_errors():
+    model = make_model(TinyLMConfig(vocab_size=VOCAB, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=8), 0)
+    with pytest.raises(TypeError, match="integer token ids"):
+        model.forward_padded(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        model.forward_padded(torch.tensor([[1, VOCAB]]))
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        model.forward_packed(RolloutTrie.from_sequences([[1, 2, VOCAB + 3]]).pack())

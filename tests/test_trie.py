@@ -1,0 +1,313 @@
+"""RolloutTrie: exact read-back, radix compression, statistics, serialization, graphs and orders."""
+
+import copy
+import json
+import os
+import tempfile
+
+import networkx as nx
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.conftest import distinct_prefixes, orders, rollout_forests, rollout_inputs
+from treeattn_lab import RolloutTrie, TreePack
+from treeattn_lab.trie import ROOT
+
+
+def node_prefix(trie: RolloutTrie, node: int) -> tuple[int, ...]:
+    return tuple(t for n in trie.path(node) for t in trie.nodes[n].tokens)
+
+
+def assert_packs_equal(a: TreePack, b: TreePack) -> None:
+    for name in a.__dataclass_fields__:
+        if name != "_cache":
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+# ------------------------------------------------------------------------------------------ read back
+@given(rollout_forests())
+def test_sequences_read_back_exactly(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    assert trie.num_sequences == len(seqs)
+    assert trie.sequences() == seqs
+    for i, s in enumerate(seqs):
+        assert trie.sequence(i) == s
+        assert trie.seq_lengths[i] == len(s)
+        assert node_prefix(trie, trie.seq_end_node[i]) == tuple(s)
+
+
+@given(rollout_inputs())
+def test_tensor_and_tuple_inputs_read_back(forest_inputs):
+    seqs, inputs = forest_inputs
+    trie = RolloutTrie.from_sequences(inputs)
+    assert trie.sequences() == seqs
+    assert trie == RolloutTrie.from_sequences(seqs)
+
+
+def test_two_dim_tensor_of_sequences():
+    x = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 2, 3]])
+    trie = RolloutTrie.from_sequences(x)
+    assert trie.sequences() == [[1, 2, 3], [1, 2, 4], [1, 2, 3]]
+
+
+def test_small_known_trie():
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 9], [1, 2], [1, 2, 3, 4]]
+    trie = RolloutTrie.from_sequences(seqs)
+    runs = sorted(tuple(n.tokens) for n in trie.nodes[1:])
+    assert runs == [(1,), (2,), (3,), (4,), (5,), (9,)]
+    # the two identical rollouts end at the same node
+    assert trie.seq_end_node[0] == trie.seq_end_node[4]
+    assert trie.nodes[trie.seq_end_node[0]].ends == [0, 4]
+    assert trie.stats()["tree_tokens"] == 6
+    assert trie.stats()["flat_tokens"] == 4 + 4 + 2 + 2 + 4
+
+
+# ------------------------------------------------------------------------------------------ structure
+@given(rollout_forests())
+def test_radix_structure(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    nodes = trie.nodes
+    assert nodes[ROOT].tokens == [] and nodes[ROOT].parent == -1 and nodes[ROOT].depth == 0
+    ends = []
+    for i, n in enumerate(nodes):
+        first = [nodes[c].tokens[0] for c in n.children]
+        assert len(set(first)) == len(first), "two children start with the same token"
+        for c in n.children:
+            assert nodes[c].parent == i
+            assert nodes[c].depth == n.end_depth
+        ends.extend(n.ends)
+        assert n.ends == sorted(n.ends)
+        if i == ROOT:
+            assert not n.ends
+            continue
+        assert len(n.tokens) >= 1
+        # radix compression: a single child is only allowed where some rollout ends
+        if len(n.children) == 1:
+            assert n.ends, f"node {i} has one child and no rollout ending on it"
+        if not n.children:
+            assert n.ends, f"leaf {i} ends no rollout"
+    assert sorted(ends) == list(range(len(seqs)))
+    for i, node in enumerate(trie.seq_end_node):
+        assert i in nodes[node].ends
+
+
+@given(rollout_forests())
+def test_node_count_is_minimal(seqs):
+    """Nodes sit exactly at rollout ends and at forks: count them from the prefixes alone."""
+    trie = RolloutTrie.from_sequences(seqs)
+    prefixes = distinct_prefixes(seqs)
+    ext = {}
+    for p in prefixes:
+        ext.setdefault(p[:-1], set()).add(p[-1])
+    full = {tuple(s) for s in seqs}
+    expected = {p for p in prefixes if p in full or len(ext.get(p, ())) >= 2}
+    assert trie.num_nodes == len(expected)
+    assert {node_prefix(trie, n) for n in range(1, len(trie.nodes))} == expected
+
+
+@given(rollout_forests())
+def test_node_ids_are_topological(seqs):
+    """Parents come before children (what to_dict / from_dict rely on)."""
+    trie = RolloutTrie.from_sequences(seqs)
+    for i, n in enumerate(trie.nodes[1:], start=1):
+        assert 0 <= n.parent < i
+
+
+# ------------------------------------------------------------------------------------------ stats
+@given(rollout_forests())
+def test_stats_match_independent_counts(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    s = trie.stats()
+    prefixes = distinct_prefixes(seqs)
+    flat_pairs = sum(len(x) * (len(x) + 1) // 2 for x in seqs)
+    tree_pairs = sum(len(p) for p in prefixes)
+    assert s["num_sequences"] == len(seqs)
+    assert s["flat_tokens"] == sum(len(x) for x in seqs)
+    assert s["tree_tokens"] == len(prefixes)
+    assert s["token_ratio"] == pytest.approx(s["flat_tokens"] / len(prefixes))
+    assert s["flat_attention_pairs"] == flat_pairs
+    assert s["tree_attention_pairs"] == tree_pairs
+    assert s["ideal_attention_ratio"] == pytest.approx(flat_pairs / tree_pairs)
+    assert s["ideal_attention_ratio"] >= 1.0
+    assert s["max_sequence_length"] == max(len(x) for x in seqs)
+    assert s["mean_sequence_length"] == pytest.approx(sum(len(x) for x in seqs) / len(seqs))
+    assert s["num_nodes"] == trie.num_nodes == len(trie.nodes) - 1
+    assert s["num_leaves"] == len(trie.leaves())
+    assert s["root_branching"] == len({x[0] for x in seqs})
+    assert s["num_leaves"] <= len({tuple(x) for x in seqs})
+    assert s["mean_node_tokens"] == pytest.approx(len(prefixes) / trie.num_nodes)
+    pack = trie.pack()
+    assert pack.attended_pairs() == tree_pairs
+    assert pack.flat_attended_pairs() == flat_pairs
+
+
+@given(rollout_forests())
+def test_subtree_tokens(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    prefixes = distinct_prefixes(seqs)
+    sizes = trie.subtree_tokens()
+    assert sizes[ROOT] == len(prefixes)
+    for n in range(1, len(trie.nodes)):
+        head = node_prefix(trie, n)[: trie.nodes[n].depth + 1]
+        assert sizes[n] == sum(1 for p in prefixes if p[: len(head)] == head)
+
+
+# ------------------------------------------------------------------------------------------ orders
+@given(rollout_forests(), orders)
+def test_preorder_is_a_dfs_preorder(seqs, order):
+    trie = RolloutTrie.from_sequences(seqs)
+    pre = trie.preorder(order)
+    assert pre[0] == ROOT
+    assert sorted(pre) == list(range(len(trie.nodes)))
+    where = {n: i for i, n in enumerate(pre)}
+    # every subtree is one contiguous run starting at its root
+    descendants = {n: {n} for n in range(len(trie.nodes))}
+    for n in reversed(pre):
+        p = trie.nodes[n].parent
+        if p >= 0:
+            assert where[p] < where[n]
+            descendants[p] |= descendants[n]
+    for n, desc in descendants.items():
+        span = sorted(where[d] for d in desc)
+        assert span == list(range(where[n], where[n] + len(desc)))
+
+
+@given(rollout_forests())
+def test_preorder_size_visits_heaviest_child_first(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    prefixes = distinct_prefixes(seqs)
+
+    def size(n):  # tokens in n's subtree, counted from the prefixes alone
+        head = node_prefix(trie, n)[: trie.nodes[n].depth + 1]
+        return sum(1 for p in prefixes if p[: len(head)] == head)
+
+    pre = trie.preorder("size")
+    where = {n: i for i, n in enumerate(pre)}
+    for n in trie.nodes:
+        visited = sorted(n.children, key=where.__getitem__)
+        sizes = [size(c) for c in visited]
+        assert sizes == sorted(sizes, reverse=True)
+    pre_ins = trie.preorder("insertion")
+    where_ins = {n: i for i, n in enumerate(pre_ins)}
+    for n in trie.nodes:
+        assert sorted(n.children, key=where_ins.__getitem__) == n.children
+
+
+def test_preorder_size_example():
+    trie = RolloutTrie.from_sequences([[1, 2], [1, 3, 4, 5, 6], [1, 7, 8]])
+    pre = trie.preorder("size")
+    firsts = [trie.nodes[n].tokens[0] for n in pre[1:]]
+    assert firsts == [1, 3, 7, 2]
+    assert [trie.nodes[n].tokens[0] for n in trie.preorder("insertion")[1:]] == [1, 2, 3, 7]
+
+
+def test_preorder_bad_order():
+    trie = RolloutTrie.from_sequences([[1, 2]])
+    with pytest.raises(ValueError, match="order"):
+        trie.preorder("random")
+    with pytest.raises(ValueError, match="order"):
+        trie.pack(order="bfs")
+
+
+# ------------------------------------------------------------------------------------------ save / load
+@given(rollout_forests())
+def test_save_load_round_trip(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trie.json")
+        trie.save(path)
+        loaded = RolloutTrie.load(path)
+        with open(path) as f:
+            text = f.read()
+    assert loaded == trie
+    assert loaded.to_dict() == trie.to_dict()
+    assert loaded.sequences() == seqs
+    assert loaded.seq_end_node == trie.seq_end_node
+    assert loaded.seq_lengths == trie.seq_lengths
+    assert loaded.stats() == trie.stats()
+    for a, b in zip(loaded.nodes, trie.nodes, strict=True):
+        assert (a.tokens, a.parent, a.depth, a.children, a.ends) == (b.tokens, b.parent, b.depth, b.children, b.ends)
+    for order in ("insertion", "size"):
+        assert_packs_equal(loaded.pack(order), trie.pack(order))
+    assert RolloutTrie.from_dict(json.loads(text)) == trie
+
+
+def test_save_load_after_splits_above_old_nodes():
+    # the third rollout splits a node whose old children then hang under a newer node
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 9]]
+    trie = RolloutTrie.from_sequences(seqs)
+    loaded = RolloutTrie.from_dict(json.loads(json.dumps(trie.to_dict())))
+    assert loaded == trie and loaded.sequences() == seqs
+
+
+def test_equality():
+    a = RolloutTrie.from_sequences([[1, 2], [1, 3]])
+    assert a == RolloutTrie.from_sequences([[1, 2], [1, 3]])
+    assert a != RolloutTrie.from_sequences([[1, 3], [1, 2]])
+    assert a != RolloutTrie.from_sequences([[1, 2], [1, 4]])
+    assert a != "not a trie"
+
+
+@given(rollout_forests())
+def test_to_dict_does_not_alias_the_trie(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    d = trie.to_dict()
+    for n in d["nodes"]:
+        n["tokens"].append(7)
+    d["seq_end_node"].append(1)
+    assert trie.sequences() == seqs
+
+
+# ------------------------------------------------------------------------------------------ networkx
+@given(rollout_forests())
+def test_to_networkx_is_the_tree(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    g = trie.to_networkx(preview_tokens=2)
+    assert g.number_of_nodes() == trie.num_nodes + 1
+    assert g.number_of_edges() == trie.num_nodes
+    assert nx.is_arborescence(g)
+    assert g.in_degree(ROOT) == 0
+    for i, n in enumerate(trie.nodes):
+        attrs = g.nodes[i]
+        assert attrs["num_tokens"] == len(n.tokens)
+        assert attrs["depth"] == n.depth
+        assert attrs["end_depth"] == n.end_depth
+        assert attrs["ends"] == n.ends
+        assert sorted(g.successors(i)) == sorted(n.children)
+        assert attrs["node_depth"] == len(trie.path(i))
+        shown = attrs["preview"].split(" ...")[0]
+        assert shown == " ".join(str(t) for t in n.tokens[:2])
+    assert sum(a for _, a in g.nodes(data="num_tokens")) == len(distinct_prefixes(seqs))
+
+
+# ------------------------------------------------------------------------------------------ no mutation
+@given(rollout_inputs(), st.sampled_from(["insertion", "size"]))
+def test_inputs_not_mutated(forest_inputs, order):
+    seqs, inputs = forest_inputs
+    before = [x.clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x) for x in inputs]
+    outer = list(inputs)
+    trie = RolloutTrie.from_sequences(inputs)
+    trie.pack(order)
+    trie.stats()
+    trie.to_networkx()
+    assert len(inputs) == len(before) and all(a is b for a, b in zip(inputs, outer, strict=True))
+    for x, y in zip(inputs, before, strict=True):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert type(x) is type(y) and x == y
+    # the trie holds its own copies: changing the inputs afterwards does not change it
+    for x in inputs:
+        if isinstance(x, list):
+            x.append(0)
+            x[0] += 1
+        elif isinstance(x, torch.Tensor):
+            x.add_(1)
+    assert trie.sequences() == seqs
+
+
+def test_repr_mentions_sizes():
+    trie = RolloutTrie.from_sequences([[1, 2, 3], [1, 2, 4]])
+    assert "2 sequences" in repr(trie) and "6 flat -> 4 tree tokens" in repr(trie)

@@ -1,0 +1,198 @@
+"""Fast unit tests of the notebook drawings in treeattn_lab.lab.viz."""
+
+from __future__ import annotations
+
+import random
+
+import networkx as nx
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from treeattn_lab import RolloutTrie
+from treeattn_lab.lab import viz
+
+SEQS = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6], [7, 8], [1, 2, 5, 6]]
+
+
+@pytest.fixture
+def trie():
+    return RolloutTrie.from_sequences(SEQS)
+
+
+def _trace(fig: go.Figure, name: str):
+    found = [t for t in fig.data if t.name == name]
+    assert len(found) == 1, [t.name for t in fig.data]
+    return found[0]
+
+
+def _big_trie(n_seqs=1500, seed=0) -> RolloutTrie:
+    rng = random.Random(seed)
+    seqs = [[rng.randrange(30) for _ in range(rng.randrange(1, 12))] for _ in range(n_seqs)]
+    return RolloutTrie.from_sequences(seqs)
+
+
+# ------------------------------------------------------------------------------------ draw_trie
+def test_draw_trie_traces_and_node_count(trie):
+    fig = viz.draw_trie(trie)
+    assert isinstance(fig, go.Figure)
+    nodes = _trace(fig, "nodes")
+    edges = _trace(fig, "edges")
+    assert len(nodes.x) == len(trie.nodes)  # every node plus the root
+    assert sorted(nodes.customdata) == list(range(len(trie.nodes)))
+    # one segment (3 entries: start, end, None) per parent -> child edge
+    assert len(edges.x) == 3 * (len(trie.nodes) - 1)
+    assert "showing" not in fig.layout.title.text
+
+
+def test_draw_trie_hover_has_token_count_range_and_ends(trie):
+    fig = viz.draw_trie(trie)
+    nodes = _trace(fig, "nodes")
+    for node_id, text in zip(nodes.customdata, nodes.text, strict=True):
+        n = trie.nodes[node_id]
+        if node_id == 0:
+            assert "root" in text
+            continue
+        assert f"node {node_id}" in text
+        assert f"tokens: {len(n.tokens)}" in text
+        assert f"positions: {n.depth}..{n.end_depth - 1}" in text
+        for e in n.ends:
+            assert str(e) in text.split("sequences ending here:")[1]
+    # the node where sequences 2 and 4 (identical) end lists both
+    end = trie.seq_end_node[2]
+    text = nodes.text[list(nodes.customdata).index(end)]
+    assert "sequences ending here: 2, 4" in text
+
+
+def test_draw_trie_marker_size_grows_with_tokens():
+    trie = RolloutTrie.from_sequences([[1] * 40, [2]])
+    nodes = _trace(viz.draw_trie(trie), "nodes")
+    size = dict(zip(nodes.customdata, nodes.marker.size, strict=True))
+    long_node, short_node = trie.seq_end_node
+    assert size[long_node] > size[short_node]
+    assert viz.node_size(4) == pytest.approx(viz.node_size(1) + (viz.node_size(9) - viz.node_size(4)))
+
+
+def test_draw_trie_layout_is_layered_and_tidy(trie):
+    nodes = _trace(viz.draw_trie(trie), "nodes")
+    y = dict(zip(nodes.customdata, nodes.y, strict=True))
+    x = dict(zip(nodes.customdata, nodes.x, strict=True))
+    g = trie.to_networkx()
+    for node, depth in nx.shortest_path_length(g, 0).items():
+        assert y[node] == -depth
+    for node in g.nodes:
+        kids = list(g.successors(node))
+        if kids:
+            assert min(x[k] for k in kids) <= x[node] <= max(x[k] for k in kids)
+    leaves_x = sorted(x[n] for n in trie.leaves())
+    assert leaves_x == list(range(len(leaves_x)))
+
+
+def test_tree_layout_handles_deep_chains():
+    g = nx.DiGraph()
+    nx.add_path(g, range(5000))
+    pos = viz.tree_layout(g, 0)
+    assert pos[4999] == (0.0, -4999.0)
+
+
+def test_draw_trie_highlight_changes_colours(trie):
+    plain = _trace(viz.draw_trie(trie), "nodes")
+    path = trie.path(trie.seq_end_node[2])
+    fig = viz.draw_trie(trie, highlight=path)
+    lit = _trace(fig, "nodes")
+    assert list(plain.marker.color) != list(lit.marker.color)
+    colour = dict(zip(lit.customdata, lit.marker.color, strict=True))
+    assert all(colour[n] == viz.HIGHLIGHT_COLOR for n in path)
+    assert all(colour[n] != viz.HIGHLIGHT_COLOR for n in colour if n not in path)
+    hi_edges = _trace(fig, "highlighted edges")
+    assert len(hi_edges.x) == 3 * len(path)  # root -> first node, then along the path
+    with pytest.raises(ValueError, match="highlight"):
+        viz.draw_trie(trie, highlight=[999])
+
+
+def test_draw_trie_color_by_adds_legend_entries(trie):
+    cats = {n: ("short" if len(trie.nodes[n].tokens) < 2 else "long") for n in range(1, len(trie.nodes))}
+    fig = viz.draw_trie(trie, color_by=cats)
+    nodes = _trace(fig, "nodes")
+    colour = dict(zip(nodes.customdata, nodes.marker.color, strict=True))
+    short = [n for n, c in cats.items() if c == "short"]
+    long = [n for n, c in cats.items() if c == "long"]
+    assert len({colour[n] for n in short}) == 1 and len({colour[n] for n in long}) == 1
+    assert colour[short[0]] != colour[long[0]]
+    legend = {t.name for t in fig.data if t.showlegend}
+    assert legend == {"short", "long"}
+
+
+def test_draw_trie_truncates_big_tries_by_bfs():
+    big = _big_trie()
+    assert big.num_nodes > 300
+    fig = viz.draw_trie(big, max_nodes=100, title="big")
+    nodes = _trace(fig, "nodes")
+    assert len(nodes.x) == 101  # the root plus 100 nodes
+    assert set(nodes.customdata) == set(viz.bfs_nodes(big.to_networkx(), 0, limit=101))
+    assert f"showing the first 100 of {big.num_nodes} nodes" in fig.layout.title.text
+    assert fig.layout.title.text.startswith("big")
+    assert any("not drawn" in t for t in nodes.text)
+    with pytest.raises(ValueError):
+        viz.draw_trie(big, max_nodes=0)
+
+
+# ------------------------------------------------------------------------------------ masks
+def test_draw_mask_shape_and_values(trie):
+    mask = trie.pack().visibility_mask()
+    fig = viz.draw_mask(mask, title="tree")
+    (heat,) = fig.data
+    assert isinstance(heat, go.Heatmap)
+    z = [list(r) for r in heat.z]
+    assert len(z) == mask.shape[0] and all(len(r) == mask.shape[1] for r in z)
+    assert z == mask.int().tolist()
+    assert fig.layout.yaxis.autorange == "reversed"  # row 0 on top, like a matrix
+    assert fig.layout.xaxis.title.text == "key" and fig.layout.yaxis.title.text == "query"
+
+
+def test_draw_mask_rejects_non_2d():
+    with pytest.raises(ValueError):
+        viz.draw_mask(torch.ones(4, dtype=torch.bool))
+
+
+def test_flat_causal_mask_is_block_diagonal():
+    m = viz.flat_causal_mask([2, 3])
+    rows = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    expected = torch.tensor(rows, dtype=torch.bool)
+    assert torch.equal(m, expected)
+
+
+def test_draw_masks_side_by_side(trie):
+    tree = trie.pack().visibility_mask()
+    flat = viz.flat_causal_mask(trie.seq_lengths)
+    fig = viz.draw_masks_side_by_side({"packed tree": tree, "flat per-sequence": flat})
+    assert len(fig.data) == 2 and all(isinstance(t, go.Heatmap) for t in fig.data)
+    assert len(fig.data[0].z) == tree.shape[0]
+    assert len(fig.data[1].z) == sum(trie.seq_lengths)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[0].startswith("packed tree") and f"{int(tree.sum())} pairs" in titles[0]
+    assert titles[1].startswith("flat per-sequence") and f"{int(flat.sum())} pairs" in titles[1]
+    # the pair counts are exactly the stats' attention pairs
+    s = trie.stats()
+    assert int(tree.sum()) == s["tree_attention_pairs"] and int(flat.sum()) == s["flat_attention_pairs"]
+
+
+# ------------------------------------------------------------------------------------ stats
+def test_draw_stats_bars_grouped(trie):
+    stats = {"a": trie.stats(), "b": _big_trie(200).stats()}
+    fig = viz.draw_stats_bars(stats)
+    assert fig.layout.barmode == "group"
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    assert [b.name for b in bars] == ["token_ratio", "ideal_attention_ratio"]
+    assert list(bars[0].x) == ["a", "b"]
+    assert list(bars[0].y) == pytest.approx([stats["a"]["token_ratio"], stats["b"]["token_ratio"]])
+    with pytest.raises(KeyError):
+        viz.draw_stats_bars(stats, keys=("nope",))
+
+
+def test_draw_stats_table(trie):
+    fig = viz.draw_stats_table({"a": trie.stats()}, keys=["num_sequences", "token_ratio"])
+    (table,) = fig.data
+    assert list(table.header.values) == ["statistic", "a"]
+    assert list(table.cells.values[0]) == ["num_sequences", "token_ratio"]
+    assert list(table.cells.values[1]) == ["5", f"{trie.stats()['token_ratio']:.2f}"]
