@@ -19,7 +19,7 @@ import treeattn_lab  # noqa: E402, F401  (configures Triton before any kernel mo
 settings.register_profile(
     "ci",
     deadline=None,
-    max_examples=25,
+    max_examples=30,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
@@ -31,6 +31,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 # ---------------------------------------------------------------------------------------------- forests
+def _tokens(draw, tok, lo: int, hi: int) -> list[int]:
+    """A list of ``lo..hi`` tokens; the length is drawn first so long lists are as likely as short ones."""
+    n = draw(st.integers(lo, hi))
+    return draw(st.lists(tok, min_size=n, max_size=n))
+
+
 @st.composite
 def rollout_forests(draw, max_sequences: int = 8, max_len: int = 20, max_vocab: int = 50):
     """A list of rollouts (lists of non-negative ints) shaped like RL rollouts, awkward cases included.
@@ -45,23 +51,21 @@ def rollout_forests(draw, max_sequences: int = 8, max_len: int = 20, max_vocab: 
     shape = draw(st.sampled_from(["mixed", "mixed", "chain", "fan", "singles"]))
     seqs: list[list[int]] = []
     if shape == "chain":
-        base = draw(st.lists(tok, min_size=1, max_size=3 * max_len))
+        base = _tokens(draw, tok, 1, 3 * max_len)
         seqs.append(base)
         for _ in range(draw(st.integers(0, max_sequences - 1))):
-            cut = draw(st.integers(1, len(base)))
-            seqs.append(base[:cut])
+            seqs.append(base[: draw(st.integers(1, len(base)))])
     elif shape == "fan":
-        prompt = draw(st.lists(tok, min_size=0, max_size=max_len))
+        prompt = _tokens(draw, tok, 0, max_len)
         for _ in range(draw(st.integers(1, 2 * max_sequences))):
-            tail = draw(st.lists(st.integers(0, max_vocab - 1), min_size=0 if prompt else 1, max_size=2))
-            seqs.append(prompt + tail)
+            seqs.append(prompt + _tokens(draw, st.integers(0, max_vocab - 1), 0 if prompt else 1, 2))
     elif shape == "singles":
-        seqs = draw(st.lists(st.lists(tok, min_size=1, max_size=1), min_size=1, max_size=max_sequences))
+        seqs = [_tokens(draw, tok, 1, 1) for _ in range(draw(st.integers(1, max_sequences)))]
     else:
         for _ in range(draw(st.integers(1, max_sequences))):
             kind = draw(st.sampled_from(["fresh", "extend", "prefix", "duplicate"])) if seqs else "fresh"
             if kind == "fresh":
-                seqs.append(draw(st.lists(tok, min_size=1, max_size=max_len)))
+                seqs.append(_tokens(draw, tok, 1, max_len))
                 continue
             base = seqs[draw(st.integers(0, len(seqs) - 1))]
             if kind == "duplicate":
@@ -70,8 +74,23 @@ def rollout_forests(draw, max_sequences: int = 8, max_len: int = 20, max_vocab: 
                 seqs.append(base[: draw(st.integers(1, len(base)))])
             else:
                 cut = draw(st.integers(0, len(base)))
-                tail = draw(st.lists(tok, min_size=0 if cut else 1, max_size=max_len // 2))
-                seqs.append(base[:cut] + tail)
+                seqs.append(base[:cut] + _tokens(draw, tok, 0 if cut else 1, max_len // 2))
+    perm = draw(st.permutations(range(len(seqs))))
+    return [seqs[i] for i in perm]
+
+
+@st.composite
+def long_rollout_forests(draw, min_trunk: int = 100, max_trunk: int = 300):
+    """Forests of a few hundred packed tokens: a long shared trunk, rollouts forking off it at random
+    depths (some ending inside it), plus a small random forest beside it. Crosses 128-token blocks."""
+    vocab = draw(st.sampled_from([2, 1000]))
+    tok = st.integers(0, vocab - 1)
+    trunk = _tokens(draw, tok, min_trunk, max_trunk)
+    seqs = [trunk]
+    for _ in range(draw(st.integers(0, 5))):
+        cut = draw(st.integers(1, len(trunk)))
+        seqs.append(trunk[:cut] + _tokens(draw, tok, 0, 40))
+    seqs += draw(rollout_forests(max_sequences=3))
     perm = draw(st.permutations(range(len(seqs))))
     return [seqs[i] for i in perm]
 

@@ -1,6 +1,5 @@
 """TreePack: packed layout, per-sequence round trips and the subtree_end visibility rule."""
 
-import pytest
 import torch
 from hypothesis import given
 
@@ -128,12 +127,21 @@ def test_padded_round_trip(seqs, order, seed):
     assert torch.equal(pack.from_padded(ids), pack.input_ids)
     index, valid = pack.padded_index()
     assert valid.sum(1).tolist() == [len(s) for s in seqs]
-    # a token shared by several sequences takes the value of the last of them (sequence order)
+    # a token shared by several sequences takes the value of the first of them (sequence order)
     y = torch.randn(B, L, generator=generator(seed ^ 1), dtype=torch.float64)
     expected = torch.full((T,), float("nan"), dtype=torch.float64)
-    for i, s in enumerate(seqs):
-        expected[pack.seq_index(i)] = y[i, : len(s)]
+    for i in reversed(range(B)):
+        expected[pack.seq_index(i)] = y[i, : len(seqs[i])]
     assert torch.equal(pack.from_padded(y), expected)
+    # exactly one padded copy of each packed token owns it: the copy in the first sequence through it
+    owner = pack.padded_owner()
+    assert owner.shape == (B, L) and not (owner & ~valid).any()
+    assert sorted(index[owner].tolist()) == list(range(T))
+    first = {}
+    for i in range(B):
+        for t in pack.seq_index(i).tolist():
+            first.setdefault(t, i)
+    assert all(owner[first[int(index[i, j])], j] for i, j in valid.nonzero().tolist())
 
 
 @given(rollout_forests(), orders)

@@ -139,8 +139,9 @@ def test_gqa_head_grouping():
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     out = reference.masked_attention(q, k, v, mask)
     for h in range(hkv * group):
-        one = reference.masked_attention(q[:, h : h + 1], k[:, h // group : h // group + 1],
-                                         v[:, h // group : h // group + 1], mask)
+        one = reference.masked_attention(
+            q[:, h : h + 1], k[:, h // group : h // group + 1], v[:, h // group : h // group + 1], mask
+        )
         torch.testing.assert_close(out[:, h : h + 1], one, **F64)
 
 

@@ -70,6 +70,7 @@ def test_packed_gradients_equal_per_sequence_gradients(seqs, seed):
 
 
 @given(rollout_forests(max_sequences=4, max_len=12, max_vocab=VOCAB), seeds)
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_forward_packed_with_ops_backends(seqs, seed):
     cfg = TinyLMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
     pack = RolloutTrie.from_sequences(seqs).pack()

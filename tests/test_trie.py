@@ -228,7 +228,13 @@ def test_save_load_round_trip(seqs):
     assert loaded.seq_lengths == trie.seq_lengths
     assert loaded.stats() == trie.stats()
     for a, b in zip(loaded.nodes, trie.nodes, strict=True):
-        assert (a.tokens, a.parent, a.depth, a.children, a.ends) == (b.tokens, b.parent, b.depth, b.children, b.ends)
+        assert (a.tokens, a.parent, a.depth, a.children, a.ends) == (
+            b.tokens,
+            b.parent,
+            b.depth,
+            b.children,
+            b.ends,
+        )
     for order in ("insertion", "size"):
         assert_packs_equal(loaded.pack(order), trie.pack(order))
     assert RolloutTrie.from_dict(json.loads(text)) == trie

@@ -144,6 +144,19 @@ class TreePack:
             self._cache["padded_index"] = (index.to(self.device), valid.to(self.device))
         return self._cache["padded_index"]
 
+    def padded_owner(self) -> torch.Tensor:
+        """``[B, L]`` bool: True at exactly one copy of each packed token (its first sequence)."""
+        if "padded_owner" not in self._cache:
+            index, valid = (x.cpu() for x in self.padded_index())
+            owner = torch.zeros_like(valid)
+            seen = torch.zeros(self.num_tokens, dtype=torch.bool)
+            for i in range(self.num_sequences):
+                idx = index[i][valid[i]]
+                owner[i, : idx.numel()] = ~seen[idx]
+                seen[idx] = True
+            self._cache["padded_owner"] = owner.to(self.device)
+        return self._cache["padded_owner"]
+
     def to_padded(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """Packed ``[T, ...]`` -> padded per-sequence ``[B, L, ...]`` (shared tokens copied per sequence)."""
         self._check_packed(x, "x")
@@ -155,16 +168,18 @@ class TreePack:
     def from_padded(self, y: torch.Tensor) -> torch.Tensor:
         """Padded ``[B, L, ...]`` -> packed ``[T, ...]``.
 
-        A token shared by several sequences takes the value of the last one in sequence order; for
-        per-token quantities that really are shared (ids, activations of a causal model) they agree.
+        A token shared by several sequences takes the value of the first sequence that contains it
+        (:meth:`padded_owner`), so gradients flow back through exactly one copy; for per-token
+        quantities that really are shared (ids, activations of a causal model) the copies agree.
         """
         index, valid = self.padded_index()
         if y.dim() < 2 or tuple(y.shape[:2]) != tuple(index.shape):
             raise ValueError(
                 f"padded tensor must be [B={index.shape[0]}, L={index.shape[1]}, ...], got {tuple(y.shape)}"
             )
+        owner = self.padded_owner().to(y.device)
         out = y.new_zeros((self.num_tokens,) + tuple(y.shape[2:]))
-        out[index[valid]] = y[valid.to(y.device)]
+        out[index.to(y.device)[owner]] = y[owner]
         return out
 
     def padded_input_ids(self, pad_id: int = 0) -> torch.Tensor:

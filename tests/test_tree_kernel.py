@@ -1,0 +1,165 @@
+"""The Triton tree-attention kernel against the float64 einops reference.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest): fp32 and fp16 only, since the
+interpreter computes bf16 dots wrongly. Small tiles (16 x 16, 32 x 16, ...) make small packs span many
+tiles, so full, partial and skipped tiles all occur. Every buffer the kernels allocate (outputs, lse,
+gradients) starts filled with NaN, so any element a kernel forgets to write fails the check.
+"""
+
+import contextlib
+from unittest import mock
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from treeattn_lab.kernels import tree_attention as kernel_module
+from treeattn_lab.kernels.tree_attention import tile_schedule, triton_tree_attention
+
+from tests.conftest import rollout_forests
+from treeattn_lab import RolloutTrie, reference, tree_attention
+
+SMALL_TILES = [
+    {"fwd_config": (16, 16, 4, 1), "dkdv_config": (16, 16, 4, 1), "dq_config": (16, 16, 4, 1)},
+    {"fwd_config": (32, 16, 4, 1), "dkdv_config": (16, 32, 4, 1), "dq_config": (32, 16, 4, 1)},
+]
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Make the kernel module's ``torch.empty`` / ``torch.empty_like`` return NaN-filled tensors."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    def nan_empty_like(x, **kwargs):
+        return empty_like(x, **kwargs).fill_(float("nan"))
+
+    with mock.patch.object(kernel_module.torch, "empty", nan_empty), \
+            mock.patch.object(kernel_module.torch, "empty_like", nan_empty_like):
+        yield
+
+
+def _rel(a, b):
+    """Relative error, with the denominator floored at sqrt(numel): gradients that are exactly zero
+    (a token that sees only itself) compare per element instead of as rounding noise over zero."""
+    b = b.detach()
+    return float((a.detach().double() - b).norm() / max(float(b.norm()), b.numel() ** 0.5))
+
+
+def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None):
+    gen = torch.Generator().manual_seed(seed)
+    T = pack.num_tokens
+    q, k, v = (torch.randn(T, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    do = torch.randn(T, hq, d, generator=gen).to(dtype)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    with poisoned_allocations():
+        out = triton_tree_attention(*inputs, pack, scale=scale, **tiles)
+        out.backward(do)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference.tree_attention(*ref_in, pack.subtree_end, scale=scale)
+    ref.backward(do.double())
+    tol = TOL[dtype]
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < tol
+    for got, want, name in zip(inputs, ref_in, "qkv", strict=True):
+        assert torch.isfinite(got.grad).all(), f"d{name} has non-finite entries"
+        assert _rel(got.grad, want.grad) < 2 * tol, f"d{name} differs"
+    # inputs untouched
+    for x, x0 in zip(inputs, (q, k, v), strict=True):
+        torch.testing.assert_close(x.detach(), x0, rtol=0, atol=0)
+
+
+@settings(max_examples=8)
+@given(seqs=rollout_forests(max_sequences=6, max_len=24), seed=st.integers(0, 2**31 - 1),
+       gqa=st.sampled_from([(2, 1), (2, 2), (4, 2)]), tiles=st.sampled_from(SMALL_TILES))
+def test_kernel_matches_reference_on_random_forests_fp32(seqs, seed, gqa, tiles):
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    _check(pack, hq=gqa[0], hkv=gqa[1], d=16, dtype=torch.float32, seed=seed, tiles=tiles)
+
+
+@settings(max_examples=4)
+@given(seqs=rollout_forests(max_sequences=6, max_len=24), seed=st.integers(0, 2**31 - 1))
+def test_kernel_matches_reference_fp16(seqs, seed):
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    _check(pack, hq=2, hkv=1, d=32, dtype=torch.float16, seed=seed, tiles=SMALL_TILES[0])
+
+
+@pytest.mark.parametrize("order", ["insertion", "size"])
+def test_prefix_sequences_single_token_nodes_and_awkward_length(order):
+    # a rollout that is a prefix of another, single-token nodes, duplicates; T = 71 (not a tile multiple)
+    seqs = [list(range(30)), list(range(12)), list(range(12)) + [99], list(range(12)) + [99, 5],
+            [7], [7, 8] + list(range(40, 55)), list(range(30))]
+    pack = RolloutTrie.from_sequences(seqs).pack(order=order)
+    assert pack.num_tokens % 16 != 0
+    _check(pack, hq=4, hkv=2, d=16, dtype=torch.float32, seed=1, tiles=SMALL_TILES[1], scale=0.3)
+
+
+def test_default_tiles_head_dim_64_through_public_entry_point():
+    seqs = [list(range(50)) + [i] * (10 + 7 * i) for i in range(4)]
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(pack.num_tokens, 2, 64, generator=gen) for _ in range(3))
+    out = tree_attention(q, k, v, pack, backend="triton")
+    want = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end)
+    assert _rel(out, want) < 2e-5
+
+
+def test_return_lse_matches_reference():
+    pack = RolloutTrie.from_sequences([[1, 2, 3, 4, 5], [1, 2, 6], [9] * 20]).pack()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(pack.num_tokens, 2, 16, generator=gen) for _ in range(3))
+    _, lse = triton_tree_attention(q, k, v, pack, fwd_config=(16, 16, 4, 1), return_lse=True)
+    _, want = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end, return_lse=True)
+    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25)
+@given(seqs=rollout_forests(max_sequences=8, max_len=40), bm=st.sampled_from([16, 32]),
+       bn=st.sampled_from([16, 32]))
+def test_schedule_covers_every_visible_pair_and_full_tiles_need_no_mask(seqs, bm, bn):
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    T = pack.num_tokens
+    mask = pack.visibility_mask()
+    sched = tile_schedule(pack.subtree_end, bm, bn)
+    nq = -(-T // bm)
+    covered = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(nq):
+        start, full_end, end = sched["fwd_ptr"][i].tolist()
+        rows = slice(i * bm, min(T, (i + 1) * bm))
+        for pos in range(start, end):
+            j = int(sched["fwd_idx"][pos])
+            cols = slice(j * bn, min(T, (j + 1) * bn))
+            if pos < full_end:
+                assert mask[rows, cols].all(), "a tile marked full hides an invisible pair"
+            assert mask[rows, cols].any(), "the schedule visits an invisible tile"
+            covered[rows, cols] = True
+    assert not (mask & ~covered).any(), "a visible pair lies in a skipped tile"
+    # the backward schedule is the transpose of the forward one
+    fwd_pairs = {(i, int(sched["fwd_idx"][p])) for i in range(nq)
+                 for p in range(*sched["fwd_ptr"][i, [0, 2]].tolist())}
+    bwd_pairs = {(int(sched["bwd_idx"][p]), j) for j in range(sched["bwd_ptr"].shape[0])
+                 for p in range(*sched["bwd_ptr"][j, [0, 2]].tolist())}
+    assert fwd_pairs == bwd_pairs
+
+
+def test_schedule_skips_sibling_branches():
+    # 8 rollouts share a 64-token prompt and fork into 64-token answers: with 16-token tiles each
+    # answer tile sees the prompt and its own answer only
+    seqs = [list(range(64)) + [1000 + b] * 64 for b in range(8)]
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    sched = tile_schedule(pack.subtree_end, 16, 16)
+    visited = sched["full_tiles"] + sched["partial_tiles"]
+    dense_causal = sum(i + 1 for i in range(-(-pack.num_tokens // 16)))
+    assert visited < 0.35 * dense_causal
+
+
+def test_unsupported_head_dim_and_dtype_are_refused():
+    pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()
+    with pytest.raises(ValueError, match="head dim 24"):
+        tree_attention(*(torch.randn(3, 1, 24) for _ in range(3)), pack, backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        q64 = torch.randn(3, 1, 16, dtype=torch.float64)
+        tree_attention(q64, q64, q64, pack, backend="triton")
