@@ -33,8 +33,9 @@ $(VENV)/.torch: $(PY)
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "[make] NVIDIA GPU found: installing the CUDA build of torch"; \
 	  $(PIP) install -q torch; \
-	elif $(PIP) install -q --no-index "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then \
-	  echo "[make] installed the local CPU wheel of torch $(TORCH_CPU_VERSION)"; \
+	elif $(PIP) install -q --no-deps --no-index "torch==$(TORCH_CPU_VERSION)" >/dev/null 2>&1; then \
+	  echo "[make] installed the local CPU wheel of torch $(TORCH_CPU_VERSION); now its dependencies"; \
+	  $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" 2>&1 | grep -v "is ignored" || true; \
 	else \
 	  echo "[make] no GPU: installing the CPU build of torch $(TORCH_CPU_VERSION)"; \
 	  $(PIP) install -q "torch==$(TORCH_CPU_VERSION)" --index-url $(TORCH_CPU_INDEX); \
