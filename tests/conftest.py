@@ -10,6 +10,9 @@ import torch
 
 if not torch.cuda.is_available():  # before treeattn_lab (and any Triton kernel) is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "OMP_NUM_THREADS" not in os.environ:
+        # the tests use tiny tensors: intra-op threads only fight each other (and xdist workers) for cores
+        torch.set_num_threads(1)
 
 import hypothesis.strategies as st  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -24,6 +24,7 @@ SMALL_TILES = [
     {"fwd_config": (32, 16, 4, 1), "dkdv_config": (16, 32, 4, 1), "dq_config": (32, 16, 4, 1)},
 ]
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
 
 
 @contextlib.contextmanager
@@ -54,10 +55,10 @@ def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None):
     T = pack.num_tokens
     q, k, v = (torch.randn(T, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
     do = torch.randn(T, hq, d, generator=gen).to(dtype)
-    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    inputs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v)]
     with poisoned_allocations():
-        out = triton_tree_attention(*inputs, pack, scale=scale, **tiles)
-        out.backward(do)
+        out = triton_tree_attention(*inputs, pack.to(DEVICE), scale=scale, **tiles)
+        out.backward(do.to(DEVICE))
     ref_in = [x.double().requires_grad_() for x in (q, k, v)]
     ref = reference.tree_attention(*ref_in, pack.subtree_end, scale=scale)
     ref.backward(do.double())
@@ -69,7 +70,7 @@ def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None):
         assert _rel(got.grad, want.grad) < 2 * tol, f"d{name} differs"
     # inputs untouched
     for x, x0 in zip(inputs, (q, k, v), strict=True):
-        torch.testing.assert_close(x.detach(), x0, rtol=0, atol=0)
+        torch.testing.assert_close(x.detach().cpu(), x0, rtol=0, atol=0)
 
 
 @settings(max_examples=8)
@@ -102,7 +103,7 @@ def test_default_tiles_head_dim_64_through_public_entry_point():
     pack = RolloutTrie.from_sequences(seqs).pack()
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(pack.num_tokens, 2, 64, generator=gen) for _ in range(3))
-    out = tree_attention(q, k, v, pack, backend="triton")
+    out = tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pack.to(DEVICE), backend="triton").cpu()
     want = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end)
     assert _rel(out, want) < 2e-5
 
@@ -111,9 +112,10 @@ def test_return_lse_matches_reference():
     pack = RolloutTrie.from_sequences([[1, 2, 3, 4, 5], [1, 2, 6], [9] * 20]).pack()
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(pack.num_tokens, 2, 16, generator=gen) for _ in range(3))
-    _, lse = triton_tree_attention(q, k, v, pack, fwd_config=(16, 16, 4, 1), return_lse=True)
+    _, lse = triton_tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pack.to(DEVICE),
+                                   fwd_config=(16, 16, 4, 1), return_lse=True)
     _, want = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end, return_lse=True)
-    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=25)

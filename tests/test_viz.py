@@ -196,3 +196,104 @@ def test_draw_stats_table(trie):
     assert list(table.header.values) == ["statistic", "a"]
     assert list(table.cells.values[0]) == ["num_sequences", "token_ratio"]
     assert list(table.cells.values[1]) == ["5", f"{trie.stats()['token_ratio']:.2f}"]
+
+
+# ------------------------------------------------------------------------------------ tile schedule
+def _branching_pack(roots=2, prompt=48, fan=4, resp=24):
+    from treeattn_lab.bench.tree import branching_rollouts
+
+    return RolloutTrie.from_sequences(branching_rollouts(roots, prompt, [(fan, resp)])).pack()
+
+
+@pytest.mark.parametrize(("bm", "bn"), [(16, 16), (16, 32), (32, 16)])
+def test_tile_classes_agree_with_the_mask(bm, bn):
+    pack = _branching_pack()
+    mask = pack.visibility_mask()
+    cls, sched = viz.tile_classes(pack, bm, bn)
+    T = pack.num_tokens
+    assert cls.shape == (-(-T // bm), -(-T // bn))
+    for i in range(cls.shape[0]):
+        for j in range(cls.shape[1]):
+            block = mask[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn]
+            c = int(cls[i, j])
+            if c == viz.TILE_SKIPPED:
+                assert not block.any()
+            elif c == viz.TILE_FULL:
+                assert block.all() and block.shape == (bm, bn)
+            else:
+                assert block.any() or block.shape != (bm, bn)
+    assert int((cls == viz.TILE_FULL).sum()) == sched["full_tiles"]
+    assert int((cls == viz.TILE_PARTIAL).sum()) == sched["partial_tiles"]
+
+
+def test_draw_tile_schedule_small_pack_draws_mask_and_tiles():
+    pack = _branching_pack()
+    fig = viz.draw_tile_schedule(pack, 16, 16, title="toy")
+    meta = fig.layout.meta
+    cls, _ = viz.tile_classes(pack, 16, 16)
+    assert meta["total"] == cls.numel() and meta["group"] == 1
+    assert meta["skipped"] == int((cls == 0).sum()) > 0
+    assert meta["skipped"] + meta["full"] + meta["partial"] == meta["total"]
+    assert fig.data[0].name == "element mask" and len(fig.data[0].z) == pack.num_tokens
+    tiles = _trace(fig, "tiles")
+    assert [list(r) for r in tiles.z] == cls.tolist()
+    assert tiles.dx == 16 and tiles.dy == 16
+    legend = [t.name for t in fig.data if isinstance(t, go.Scatter)]
+    assert len(legend) == 3 and legend[0].startswith(f"skipped: {meta['skipped']} tiles")
+    assert fig.layout.title.text.startswith("toy") and "skipped" in fig.layout.title.text
+    assert "full" in tiles.text[1][0] and "partial" in tiles.text[0][0]
+
+
+def test_draw_tile_schedule_big_pack_draws_tiles_only_grouped():
+    pack = _branching_pack(roots=4, prompt=200, fan=8, resp=100)  # T = 4000
+    fig = viz.draw_tile_schedule(pack, 16, 16, max_tokens=512, max_cells=64)
+    names = [t.name for t in fig.data]
+    assert "element mask" not in names
+    tiles = _trace(fig, "tiles")
+    group = fig.layout.meta["group"]
+    n = -(-pack.num_tokens // 16)
+    assert group == -(-n // 64) and len(tiles.z) == -(-n // group) <= 64
+    assert tiles.dx == 16 * group
+    # a group shows its most expensive tile: any partial tile inside makes it partial
+    cls, _ = viz.tile_classes(pack, 16, 16)
+    assert tiles.z[0][0] == int(cls[:group, :group].max())
+    assert f"{group} x {group} tiles" in fig.layout.title.text
+
+
+# ------------------------------------------------------------------------------------ benchmarks
+def test_load_bench_results_and_summary():
+    data = viz.load_bench_results("tree", "NVIDIA-H200")
+    assert data["environment"]["device"] == "NVIDIA H200" and data["rows"]
+    fig = viz.draw_bench_summary(data["rows"], title="H200")
+    cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
+    speed = [t for t in fig.data if t.xaxis == "x"]
+    assert {t.name for t in speed} == {"flex", "triton", "ideal"}
+    assert all(list(t.x) == cases for t in speed)
+    ideal = next(t for t in speed if t.name == "ideal")
+    ideal_of = {r["case"]: r["ideal"] for r in data["rows"]}
+    assert list(ideal.y) == pytest.approx([ideal_of[c] for c in cases])
+    assert {t.name for t in fig.data if t.xaxis == "x2"} == {"flat", "flex", "triton"}
+    with pytest.raises(FileNotFoundError):
+        viz.load_bench_results("tree", "no-such-gpu")
+
+
+def test_speed_sweep_grows_point_by_point():
+    fig = viz.draw_speed_sweep(["flat", "triton"])
+    assert all(len(t.x) == 0 for t in fig.data)
+    for x, ms in [(256, 2.0), (512, 3.0)]:
+        viz.add_speed_point(fig, {"backend": "triton", "fwd_bwd_ms": ms, "fwd_bwd_tflops": 100.0 * ms}, x=x)
+    lines = [t for t in fig.data if t.name == "triton"]
+    assert {t.meta for t in lines} == {"fwd_bwd_ms", "fwd_bwd_tflops"}
+    assert all(list(t.x) == [256, 512] for t in lines)
+    assert list(next(t for t in lines if t.meta == "fwd_bwd_ms").y) == [2.0, 3.0]
+    assert all(len(t.x) == 0 for t in fig.data if t.name == "flat")
+    with pytest.raises(KeyError):
+        viz.add_speed_point(fig, {"backend": "flex", "fwd_bwd_ms": 1.0, "fwd_bwd_tflops": 1.0}, x=1)
+
+
+def test_speed_sweep_updates_a_figure_widget():
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("anywidget")
+    widget = go.FigureWidget(viz.draw_speed_sweep(["flex"]))
+    viz.add_speed_point(widget, {"backend": "flex", "fwd_bwd_ms": 1.5, "fwd_bwd_tflops": 300.0}, x=128)
+    assert [list(t.y) for t in widget.data] == [[1.5], [300.0]]

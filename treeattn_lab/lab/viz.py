@@ -439,3 +439,350 @@ __all__ = [
     "node_size",
     "tree_layout",
 ]
+
+
+# ---------------------------------------------------------------------------------------- tile schedule
+TILE_SKIPPED, TILE_FULL, TILE_PARTIAL = 0, 1, 2
+TILE_NAMES = ("skipped", "full", "partial")
+TILE_COLORS = ("#F2F2F2", "#54A24B", "#F58518")  # skipped, full (no mask), partial (masked)
+
+
+def tile_classes(pack, block_m: int, block_n: int):
+    """``[nQ, nK]`` int8 tile classes of ``pack`` under the Triton kernel's own schedule, and the schedule.
+
+    0 = skipped (never loaded), 1 = full (computed with no mask), 2 = partial (computed with the
+    element mask), read from ``tile_schedule(...)``'s CSR rows: each row lists its full tiles first.
+    """
+    import torch
+
+    from ..kernels.tree_attention import tile_schedule
+
+    sched = tile_schedule(pack.subtree_end.cpu(), block_m, block_n)
+    ptr, idx = sched["fwd_ptr"].long(), sched["fwd_idx"].long()
+    nq = ptr.shape[0]
+    nk = -(-pack.num_tokens // block_n)
+    cls = torch.zeros(nq, nk, dtype=torch.int8)
+    rows = torch.arange(nq)
+    n_full, n_all = ptr[:, 1] - ptr[:, 0], ptr[:, 2] - ptr[:, 0]
+    row_of = torch.repeat_interleave(rows, n_all)
+    pos_in_row = torch.arange(idx.numel()) - ptr[row_of, 0]
+    is_full = pos_in_row < n_full[row_of]
+    cls[row_of, idx] = torch.where(is_full, TILE_FULL, TILE_PARTIAL).to(torch.int8)
+    return cls, sched
+
+
+_MAX_TILE_HOVERS = 64 * 64  # beyond this many cells, hover shows coordinates and the class number only
+_BIG_TILE_HOVER = "query ~%{y}, key ~%{x}: %{z} (0 skipped, 1 full, 2 partial)<extra></extra>"
+
+
+def _tile_hover(cls_rows, block_m, block_n, group, T) -> list[list[str]]:
+    texts = []
+    for i, row in enumerate(cls_rows):
+        q0, q1 = i * block_m * group, min((i + 1) * block_m * group, T) - 1
+        line = []
+        for j, c in enumerate(row):
+            k0, k1 = j * block_n * group, min((j + 1) * block_n * group, T) - 1
+            if group == 1:
+                head = f"query tile {i} (queries {q0}..{q1}), key tile {j} (keys {k0}..{k1})"
+                line.append(f"{head}: <b>{TILE_NAMES[c]}</b>")
+            else:
+                head = f"queries {q0}..{q1}, keys {k0}..{k1} ({group} x {group} tiles)"
+                worst = {0: "all skipped", 1: "some full, none partial", 2: "some partial"}[c]
+                line.append(f"{head}: <b>{worst}</b>")
+        texts.append(line)
+    return texts
+
+
+def draw_tile_schedule(
+    pack,
+    block_m: int,
+    block_n: int,
+    title: str | None = None,
+    *,
+    max_tokens: int = 512,
+    max_cells: int = 256,
+) -> go.Figure:
+    """The Triton kernel's tile schedule of ``pack`` drawn over its attention mask.
+
+    Every (query tile, key tile) cell is coloured as *skipped* (never loaded), *full* (computed with no
+    mask) or *partial* (computed with the element mask). When the pack has at most ``max_tokens``
+    tokens the element mask is drawn underneath (dark = attended) with the tile grid; bigger packs get
+    the tile-level map only. A map of more than ``max_cells`` tiles a side is shown in groups of
+    ``g x g`` tiles, each coloured by its most expensive tile (partial > full > skipped); the counts in
+    the legend and title are always exact. Axes are in packed tokens. ``fig.layout.meta`` holds the
+    counts: ``skipped``, ``full``, ``partial``, ``total``, ``causal`` (tiles a causal
+    kernel over the same T tokens would visit).
+    """
+    import torch
+
+    if block_m < 1 or block_n < 1:
+        raise ValueError(f"tile sizes must be positive, got {block_m} x {block_n}")
+    T = pack.num_tokens
+    cls, sched = tile_classes(pack, block_m, block_n)
+    nq, nk = cls.shape
+    full, partial, total = sched["full_tiles"], sched["partial_tiles"], sched["total_tiles"]
+    skipped = total - full - partial
+    q_last = (torch.arange(nq) * block_m + block_m).clamp(max=T) - 1
+    causal = int(((torch.arange(nk) * block_n)[None, :] <= q_last[:, None]).sum())
+
+    group = max(1, math.ceil(max(nq, nk) / max_cells))
+    view = cls
+    if group > 1:  # max-pool: a group shows its most expensive tile
+        view = torch.nn.functional.max_pool2d(cls[None, None].float(), group, group, ceil_mode=True)[0, 0].to(
+            torch.int8
+        )
+    rows = view.tolist()
+    hover_text = len(rows) * len(rows[0]) <= _MAX_TILE_HOVERS
+    step_m, step_n = block_m * group, block_n * group
+    colorscale = []
+    for c, color in enumerate(TILE_COLORS):
+        colorscale += [[c / 3, color], [(c + 1) / 3, color]]
+
+    fig = go.Figure()
+    draw_elements = max_tokens >= T
+    if draw_elements:
+        fig.add_trace(  # numpy z travels as a compact typed array
+            go.Heatmap(
+                z=pack.visibility_mask().cpu().to(torch.uint8).numpy(),
+                zmin=0,
+                zmax=1,
+                colorscale=MASK_COLORSCALE,
+                showscale=False,
+                hoverinfo="skip",
+                name="element mask",
+            )
+        )
+    fig.add_trace(
+        go.Heatmap(
+            z=view.numpy(),
+            x0=(step_n - 1) / 2,
+            dx=step_n,
+            y0=(step_m - 1) / 2,
+            dy=step_m,
+            zmin=-0.5,
+            zmax=2.5,
+            colorscale=colorscale,
+            showscale=False,
+            opacity=0.5 if draw_elements else 1.0,
+            xgap=0 if draw_elements or len(rows) > 64 else 1,
+            ygap=0 if draw_elements or len(rows) > 64 else 1,
+            text=_tile_hover(rows, block_m, block_n, group, T) if hover_text else None,
+            hovertemplate="%{text}<extra></extra>" if hover_text else _BIG_TILE_HOVER,
+            name="tiles",
+        )
+    )
+    if draw_elements:  # tile grid
+        for j in range(1, nk):
+            fig.add_vline(x=j * block_n - 0.5, line_width=1, line_color="#555555", opacity=0.6)
+        for i in range(1, nq):
+            fig.add_hline(y=i * block_m - 0.5, line_width=1, line_color="#555555", opacity=0.6)
+    for c, (name, n) in enumerate(zip(TILE_NAMES, (skipped, full, partial), strict=True)):
+        fig.add_trace(  # legend entries (a heatmap has none)
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=f"{name}: {n:,} tiles ({n / total:.0%})",
+                marker=dict(symbol="square", size=14, color=TILE_COLORS[c], line=dict(width=1, color="#888")),
+            )
+        )
+    head = title or "Tile schedule"
+    sub = (
+        f"T = {T:,} tokens, {block_m} x {block_n} tiles: {nq} x {nk} = {total:,}<br>"
+        f"visited {full + partial:,} ({full:,} full + {partial:,} partial), "
+        f"<b>{skipped / total:.0%} skipped</b> (causal over the same T would visit {causal:,})"
+    )
+    if group > 1:
+        sub += f"<br>each cell shows {group} x {group} tiles (coloured by its most expensive tile)"
+    side = 760 if not draw_elements else max(440, min(760, 2 * T + 160))
+    fig.update_layout(
+        title=dict(text=f"{head}<br><sup>{sub}</sup>"),
+        template="plotly_white",
+        width=side + 200,
+        height=side + (60 if group > 1 else 40),
+        margin=dict(l=60, r=20, t=150 if group > 1 else 130, b=40),
+        legend=dict(title="key tiles per query tile", x=1.02, y=1, yanchor="top"),
+        meta=dict(skipped=skipped, full=full, partial=partial, total=total, causal=causal, group=group),
+        plot_bgcolor="white",
+    )
+    fig.update_xaxes(
+        title="key (packed token)",
+        side="top",
+        range=[-0.5, T - 0.5],
+        showgrid=False,
+        constrain="domain",
+        zeroline=False,
+    )
+    fig.update_yaxes(
+        title="query (packed token)",
+        range=[T - 0.5, -0.5],
+        showgrid=False,
+        scaleanchor="x",
+        constrain="domain",
+        zeroline=False,
+    )
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- benchmarks
+def load_bench_results(bench: str = "tree", device: str = "NVIDIA-H200", directory=None) -> dict:
+    """The newest committed result file ``bench/results/<bench>__<device>__*.json``, as a dict.
+
+    Keys: ``rows`` (one dict per case and backend, as ``python -m treeattn_lab bench tree`` writes them),
+    ``environment`` (GPU, versions, time) and the run's settings (``dtype``, ``heads``, ``head_dim``).
+    """
+    import json
+    from pathlib import Path
+
+    from ..bench.harness import RESULTS_DIR
+
+    folder = Path(directory) if directory is not None else RESULTS_DIR
+    paths = sorted(folder.glob(f"{bench}__{device}__*.json"))
+    if not paths:
+        raise FileNotFoundError(f"no {bench}__{device}__*.json under {folder}")
+    payloads = [json.loads(p.read_text()) for p in paths]
+    return max(payloads, key=lambda d: d.get("environment", {}).get("time_utc", ""))
+
+
+BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "reference": "#72B7B2"}
+
+
+def draw_bench_summary(rows: Sequence[Mapping], *, title: str | None = None) -> go.Figure:
+    """Two panels from ``bench tree`` rows: fwd+bwd speed-up over flat SDPA against the ideal ratio
+    (attended pairs flat / tree) per case, and forward TFLOP/s per backend (useful work only)."""
+    if not rows:
+        raise ValueError("rows is empty")
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    by = {(r["case"], r["backend"]): r for r in rows}
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        vertical_spacing=0.16,
+        subplot_titles=(
+            "fwd+bwd speed-up over flat SDPA (higher is better); grey: ideal = flat pairs / tree pairs",
+            "forward TFLOP/s (useful work: attended pairs only)",
+        ),
+    )
+    for b in backends:
+        if b == "flat":
+            continue
+        ys = [by.get((c, b), {}).get("fwd_bwd_speedup") for c in cases]
+        fig.add_trace(
+            go.Bar(
+                x=cases,
+                y=ys,
+                name=b,
+                legendgroup=b,
+                marker_color=BACKEND_COLORS.get(b),
+                text=[f"{y:.2f}x" if y is not None else "" for y in ys],
+                textposition="outside",
+                cliponaxis=False,
+                hovertemplate=f"{b}<br>%{{x}}: %{{y:.2f}}x<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    ideal = [next(r["ideal"] for r in rows if r["case"] == c) for c in cases]
+    fig.add_trace(
+        go.Bar(
+            x=cases,
+            y=ideal,
+            name="ideal",
+            marker_color="#CCCCCC",
+            text=[f"{y:.2f}x" for y in ideal],
+            textposition="outside",
+            cliponaxis=False,
+            hovertemplate="ideal<br>%{x}: %{y:.2f}x<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_hline(y=1.0, line_dash="dash", line_color="#666666", row=1, col=1)
+    for b in backends:
+        ys = [by.get((c, b), {}).get("fwd_tflops") for c in cases]
+        fig.add_trace(
+            go.Bar(
+                x=cases,
+                y=ys,
+                name=b,
+                legendgroup=b,
+                showlegend=b == "flat",
+                marker_color=BACKEND_COLORS.get(b),
+                hovertemplate=f"{b}<br>%{{x}}: %{{y:.0f}} TFLOP/s<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
+    fig.update_layout(
+        title=dict(text=title or "Tree attention against flat SDPA"),
+        template="plotly_white",
+        barmode="group",
+        height=820,
+        margin=dict(l=60, r=20, t=90, b=40),
+    )
+    fig.update_yaxes(title="x over flat", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title="TFLOP/s", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(tickangle=-20)
+    return fig
+
+
+def draw_speed_sweep(backends: Sequence[str], *, x_title: str = "prompt length", title: str | None = None):
+    """Empty two-panel figure (fwd+bwd latency, fwd+bwd TFLOP/s) with one line per backend, to be filled
+    point by point with :func:`add_speed_point` (wrap it in ``go.FigureWidget`` to watch it grow)."""
+    if not backends:
+        raise ValueError("backends is empty")
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.1,
+        subplot_titles=("fwd+bwd latency (ms, lower is better)", "fwd+bwd TFLOP/s (useful work)"),
+    )
+    for col, metric in ((1, "fwd_bwd_ms"), (2, "fwd_bwd_tflops")):
+        for b in backends:
+            fig.add_trace(
+                go.Scatter(
+                    x=[],
+                    y=[],
+                    mode="lines+markers",
+                    name=b,
+                    legendgroup=b,
+                    showlegend=col == 1,
+                    meta=metric,
+                    line=dict(color=BACKEND_COLORS.get(b)),
+                    hovertemplate=f"{b}<br>{x_title} %{{x}}: %{{y:.3g}}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+    fig.update_layout(
+        title=dict(text=title or "Tree attention as the tree grows"),
+        template="plotly_white",
+        height=420,
+        margin=dict(l=60, r=20, t=80, b=50),
+    )
+    fig.update_xaxes(title=x_title)
+    fig.update_yaxes(rangemode="tozero")
+    return fig
+
+
+def add_speed_point(fig, row: Mapping, x) -> None:
+    """Append one ``run_case`` row (one backend) at ``x`` to a :func:`draw_speed_sweep` figure, in place
+    (a ``go.FigureWidget`` redraws at once)."""
+    traces = [t for t in fig.data if t.name == row["backend"] and t.meta in ("fwd_bwd_ms", "fwd_bwd_tflops")]
+    if not traces:
+        raise KeyError(f"the figure has no line for backend {row['backend']!r}")
+    with fig.batch_update():
+        for t in traces:
+            t.x = (*(t.x or ()), x)
+            t.y = (*(t.y or ()), float(row[t.meta]))
+
+
+__all__ += [
+    "add_speed_point",
+    "draw_bench_summary",
+    "draw_speed_sweep",
+    "draw_tile_schedule",
+    "load_bench_results",
+    "tile_classes",
+]
