@@ -47,7 +47,7 @@ def _rel(a, b):
     """Relative error, with the denominator floored at sqrt(numel): gradients that are exactly zero
     (a token that sees only itself) compare per element instead of as rounding noise over zero."""
     b = b.detach()
-    return float((a.detach().double() - b).norm() / max(float(b.norm()), b.numel() ** 0.5))
+    return float((a.detach().cpu().double() - b.cpu()).norm() / max(float(b.norm()), b.numel() ** 0.5))
 
 
 def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None):
