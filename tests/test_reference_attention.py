@@ -164,3 +164,21 @@ def test_gradcheck(heads):
     assert torch.autograd.gradcheck(
         lambda q, k, v: ops_tree_attention(q, k, v, pack, backend="reference"), (q, k, v)
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_merge_attention_states_equals_attention_over_the_union(seed):
+    g = torch.Generator().manual_seed(seed)
+    T, S, H, D = 7, 11, 4, 8
+    q = torch.randn(T, H, D, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, S, H, D, generator=g, dtype=torch.float64)
+    mask = torch.rand(T, S, generator=g) < 0.6
+    mask[0] = False  # a row that sees nothing at all
+    split = torch.rand(T, S, generator=g) < 0.5
+    full, full_lse = reference.masked_attention(q, k, v, mask, return_lse=True)
+    a, lse_a = reference.masked_attention(q, k, v, mask & split, return_lse=True)
+    b, lse_b = reference.masked_attention(q, k, v, mask & ~split, return_lse=True)
+    out, lse = reference.merge_attention_states(a, lse_a, b, lse_b)
+    torch.testing.assert_close(out, full)
+    torch.testing.assert_close(lse, full_lse)
+    assert torch.all(out[0] == 0) and torch.all(torch.isinf(lse[0]))

@@ -4,7 +4,7 @@ They favour clarity over speed, accept float64, and materialize full score matri
 inputs (tests, drawings, notebooks on a laptop).
 """
 
-from .attention import causal_attention, masked_attention, tree_attention
+from .attention import causal_attention, masked_attention, merge_attention_states, tree_attention
 from .tiny_lm import TinyLM, TinyLMConfig
 
-__all__ = ["TinyLM", "TinyLMConfig", "causal_attention", "masked_attention", "tree_attention"]
+__all__ = ["TinyLM", "TinyLMConfig", "causal_attention", "masked_attention", "merge_attention_states", "tree_attention"]

@@ -45,6 +45,22 @@ def masked_attention(
     return out
 
 
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Merge two partial attention results over disjoint key sets into the result over their union.
+
+    ``out_* [T, H, D]`` are softmax-normalized partial outputs and ``lse_* [T, H]`` their log-sum-exps
+    (``-inf`` where a part saw no key). The union's log-sum-exp is ``logaddexp(lse_a, lse_b)`` and each
+    part is weighted by ``exp(lse_part - lse)``: the rule behind ring attention, cascade attention and
+    split-KV decoding. Returns ``(out, lse)``; rows that saw no key at all stay zero with ``-inf``.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # both parts empty -> weights 0
+    w_a = torch.exp(lse_a - safe)[..., None]
+    w_b = torch.exp(lse_b - safe)[..., None]
+    out = w_a * out_a.to(w_a.dtype) + w_b * out_b.to(w_b.dtype)
+    return out.to(out_a.dtype), lse
+
+
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,

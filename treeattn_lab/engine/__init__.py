@@ -1,0 +1,1 @@
+"""How to run a rollout trie through a model: DFS materialization, micro-batching, cost model and fallback."""
