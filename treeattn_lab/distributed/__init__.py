@@ -1,1 +1,1 @@
-"""Several GPUs (or CPU processes): partitioning rollout tries across ranks, ring attention, torchrun entry points."""
+"""Several ranks: partitioning rollout tries across GPUs, ring attention, torchrun entry points."""

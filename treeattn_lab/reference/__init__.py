@@ -7,4 +7,11 @@ inputs (tests, drawings, notebooks on a laptop).
 from .attention import causal_attention, masked_attention, merge_attention_states, tree_attention
 from .tiny_lm import TinyLM, TinyLMConfig
 
-__all__ = ["TinyLM", "TinyLMConfig", "causal_attention", "masked_attention", "merge_attention_states", "tree_attention"]
+__all__ = [
+    "TinyLM",
+    "TinyLMConfig",
+    "causal_attention",
+    "masked_attention",
+    "merge_attention_states",
+    "tree_attention",
+]
