@@ -1,11 +1,6 @@
-"""Exercise checks for the notebooks: each ``check_*`` runs a learner's function on fresh cases.
+"""Exercise of notebook 03: the keys before a query tile that the tile sees (the kernel's tile schedule).
 
-A checker never raises on a wrong answer (nor when the learner's function raises): it prints ``pass``
-or ``fail`` with a hint and returns a bool, so a notebook runs top to bottom with the exercise unsolved.
-The library's own solution sits next to each checker.
-
-- :func:`ancestor_keys` / :func:`check_ancestor_keys`: the keys before a query tile that the tile sees
-  (notebook 03, the tile schedule of the Triton tree-attention kernel).
+:func:`ancestor_keys` is the solution, :func:`check_ancestor_keys` the checker.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..trie import RolloutTrie
+from ...trie import RolloutTrie
 
 
 # ------------------------------------------------------------------------------------ ancestor keys
