@@ -1,1 +1,27 @@
-"""How to run a rollout trie through a model: DFS materialization, micro-batching, cost model and fallback."""
+"""How to run a rollout trie through a model: DFS materialization, micro-batching, cost model and fallback.
+
+- :func:`tree_backward` (``tree_backward.py``): the entry point; fills ``.grad`` exactly as flat training.
+- ``adapters.py``: the model door (TinyLM, Hugging Face causal LMs); ``attention.py``: the attentions it
+  hands the model; ``loss_plan.py``: the loss written once per tree token.
+- ``microbatch.py``: dynamic micro-batching; ``modes.py`` and ``dfs.py``: flat, packed and DFS runs;
+  ``cost_model.py``: predicted time and memory per mode, NNLS calibration, the ``"auto"`` choice.
+"""
+
+from .adapters import adapt
+from .cost_model import CostModel, MicroBatchShape, calibrate
+from .microbatch import MicroBatch, plan_micro_batches
+from .modes import MODES
+from .tree_backward import TreeBackwardReport, TreeBackwardResult, tree_backward
+
+__all__ = [
+    "MODES",
+    "CostModel",
+    "MicroBatch",
+    "MicroBatchShape",
+    "TreeBackwardReport",
+    "TreeBackwardResult",
+    "adapt",
+    "calibrate",
+    "plan_micro_batches",
+    "tree_backward",
+]

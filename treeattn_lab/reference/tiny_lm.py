@@ -15,13 +15,14 @@ token of every sequence. That identity is what makes tree training exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import causal_attention, tree_attention
 
@@ -128,6 +129,7 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.gradient_checkpointing = False  # recompute each block in backward (non-reentrant checkpoint)
         self.apply(self._init)
 
     @staticmethod
@@ -135,15 +137,25 @@ class TinyLM(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, input_ids, position_ids, attention: Attention) -> torch.Tensor:
-        """Logits for ``input_ids [..., N]`` at ``position_ids [..., N]`` with the given attention."""
+    def forward(self, input_ids, position_ids, attention: Attention | Sequence[Attention]) -> torch.Tensor:
+        """Logits for ``input_ids [..., N]`` at ``position_ids [..., N]`` with the given attention.
+
+        ``attention`` is one callable for every layer, or a sequence of one callable per layer (what the
+        DFS engine passes, since each layer reads its own stored prefix keys and values).
+        """
         if input_ids.dtype.is_floating_point:
             raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         if int(input_ids.max()) >= self.cfg.vocab_size or int(input_ids.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        per_layer = list(attention) if isinstance(attention, Sequence) else [attention] * len(self.blocks)
+        if len(per_layer) != len(self.blocks):
+            raise ValueError(f"got {len(per_layer)} attention callables for {len(self.blocks)} layers")
         x = self.embed(input_ids)
-        for block in self.blocks:
-            x = block(x, position_ids, attention)
+        for block, layer_attention in zip(self.blocks, per_layer, strict=True):
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, position_ids, layer_attention, use_reentrant=False)
+            else:
+                x = block(x, position_ids, layer_attention)
         return self.head(self.norm(x))
 
     def forward_padded(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:

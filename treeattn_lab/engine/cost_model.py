@@ -1,0 +1,300 @@
+"""Cost model: predict each mode's time and peak memory for a micro-batch, and pick the best mode.
+
+Each mode's time is a non-negative linear function of what it computes,
+
+    time(mode) = theta_mode . [1, tokens, attention pairs, launches]
+
+- flat: tokens = flat (per-rollout) tokens, pairs = sum of L (L + 1) / 2, launches = padded chunks;
+- packed: tree tokens, tree pairs (each token sees its position + 1 keys), one launch;
+- dfs: tree tokens + recomputed tokens (blocks with children run twice), their pairs, blocks run.
+
+Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padded chunk, packed the
+whole micro-batch, dfs one block plus the K/V of the longest path).
+
+The coefficients are fitted by non-negative least squares on measurements taken on the current device
+(:func:`calibrate`, about a minute, cached on disk). Without calibration a neutral prior applies: time
+proportional to computed tokens, with the packed and DFS kernels assumed 5% slower per token than flat
+ones, so a trie that shares little (token ratio under about 1.05) falls back to flat.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..trie import RolloutTrie
+
+MODES = ("flat", "packed", "dfs")
+TIME_FEATURES = ("constant", "tokens", "attention_pairs", "launches")
+
+
+def nnls(A: torch.Tensor, b: torch.Tensor, max_iter: int = 200) -> torch.Tensor:
+    """Non-negative least squares, min ||A x - b|| with x >= 0 (Lawson-Hanson active set, float64)."""
+    A, b = A.to(torch.float64), b.to(torch.float64)
+    n = A.shape[1]
+    x = torch.zeros(n, dtype=torch.float64)
+    passive = torch.zeros(n, dtype=torch.bool)
+    for _ in range(max_iter):
+        w = A.T @ (b - A @ x)
+        candidates = (~passive) & (w > 1e-12 * max(1.0, float(w.abs().max())))
+        if not candidates.any():
+            break
+        passive[int(torch.where(candidates, w, torch.full_like(w, -math.inf)).argmax())] = True
+        while True:
+            z = torch.zeros(n, dtype=torch.float64)
+            z[passive] = torch.linalg.lstsq(A[:, passive], b[:, None]).solution[:, 0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            mask = passive & (z <= 0)
+            alpha = float((x[mask] / (x[mask] - z[mask])).min())
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """What the cost model reads of a micro-batch (computed once from its trie)."""
+
+    flat_tokens: int
+    tree_tokens: int
+    flat_pairs: int
+    tree_pairs: int
+    recomputed_tokens: int
+    recomputed_pairs: int
+    blocks: int
+    max_block: int
+    max_length: int
+
+    @classmethod
+    def of(cls, trie: RolloutTrie, block_tokens: int) -> MicroBatchShape:
+        lengths = trie.seq_lengths
+        tree_pairs = recomputed = recomputed_pairs = blocks = max_block = 0
+        for node in trie.nodes[1:]:
+            n, d = len(node.tokens), node.depth
+            tree_pairs += n * d + n * (n + 1) // 2
+            chunks = max(1, -(-n // block_tokens))
+            blocks += chunks
+            max_block = max(max_block, min(n, block_tokens))
+            again = n if node.children else n - (n - (chunks - 1) * block_tokens)
+            recomputed += again
+            recomputed_pairs += again * d + again * (again + 1) // 2
+        return cls(
+            flat_tokens=sum(lengths),
+            tree_tokens=sum(len(n.tokens) for n in trie.nodes),
+            flat_pairs=sum(L * (L + 1) // 2 for L in lengths),
+            tree_pairs=tree_pairs,
+            recomputed_tokens=recomputed,
+            recomputed_pairs=recomputed_pairs,
+            blocks=blocks,
+            max_block=max_block,
+            max_length=max(lengths),
+        )
+
+    def time_features(self, mode: str, token_budget: int | None) -> list[float]:
+        if mode == "flat":
+            chunks = 1 if token_budget is None else max(1, math.ceil(self.flat_tokens / token_budget))
+            return [1.0, self.flat_tokens, self.flat_pairs, chunks]
+        if mode == "packed":
+            return [1.0, self.tree_tokens, self.tree_pairs, 1]
+        if mode == "dfs":
+            return [
+                1.0,
+                self.tree_tokens + self.recomputed_tokens,
+                self.tree_pairs + self.recomputed_pairs,
+                self.blocks + self.blocks,
+            ]
+        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+
+    def memory_features(self, mode: str, token_budget: int | None) -> list[float]:
+        if mode == "flat":
+            held = self.flat_tokens if token_budget is None else min(self.flat_tokens, token_budget)
+            return [1.0, max(held, self.max_length), 0.0]
+        if mode == "packed":
+            return [1.0, self.tree_tokens, 0.0]
+        return [1.0, self.max_block, self.max_length]
+
+
+def _prior() -> dict:
+    per_token = {"flat": 1.0, "packed": 1.05, "dfs": 1.05}
+    return {
+        "time": {m: [0.0, per_token[m] * 1e-6, 0.0, 0.0] for m in MODES},
+        "memory": {m: [0.0, 1.0, 0.05] for m in MODES},
+        "calibrated": False,
+        "samples": 0,
+    }
+
+
+@dataclass
+class CostModel:
+    """Per-mode linear predictors of time (seconds) and peak memory (bytes; relative under the prior)."""
+
+    time: dict = field(default_factory=lambda: _prior()["time"])
+    memory: dict = field(default_factory=lambda: _prior()["memory"])
+    calibrated: bool = False
+    samples: int = 0
+    device: str = "any"
+
+    def predict(self, shape: MicroBatchShape, mode: str, token_budget: int | None = None):
+        """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``."""
+        time_x = shape.time_features(mode, token_budget)
+        memory_x = shape.memory_features(mode, token_budget)
+        t = sum(a * f for a, f in zip(self.time[mode], time_x, strict=True))
+        m = sum(a * f for a, f in zip(self.memory[mode], memory_x, strict=True))
+        return t, m
+
+    def choose(
+        self, shape: MicroBatchShape, *, token_budget: int | None = None, memory_limit: float | None = None
+    ) -> tuple[str, dict]:
+        """The fastest mode whose predicted peak memory fits ``memory_limit``; and every prediction."""
+        if memory_limit is not None and not self.calibrated:
+            raise ValueError("memory_limit needs a calibrated cost model (see calibrate())")
+        predictions = {m: self.predict(shape, m, token_budget) for m in MODES}
+        fitting = [m for m in MODES if memory_limit is None or predictions[m][1] <= memory_limit]
+        pool = fitting or ["dfs"]  # the leanest mode when nothing is predicted to fit
+        return min(pool, key=lambda m: predictions[m][0]), predictions
+
+    # --------------------------------------------------------------------- fitting and storage
+    @classmethod
+    def fit(cls, samples: list[dict], *, device: str = "any") -> CostModel:
+        """Fit from ``samples``: dicts with ``mode``, ``time_features``, ``memory_features``, ``time_s``,
+        ``peak_bytes`` (None where unknown). Modes without samples keep the prior."""
+        model = cls(device=device, calibrated=True, samples=len(samples))
+        for mode in MODES:
+            rows = [s for s in samples if s["mode"] == mode]
+            if len(rows) < 2:
+                continue
+            A = torch.tensor([r["time_features"] for r in rows], dtype=torch.float64)
+            scale = A.abs().amax(0).clamp_min(1.0)  # conditioning: fit in normalized units
+            b = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
+            model.time[mode] = (nnls(A / scale, b) / scale).tolist()
+            mem = [r for r in rows if r.get("peak_bytes") is not None]
+            if len(mem) >= 2:
+                A = torch.tensor([r["memory_features"] for r in mem], dtype=torch.float64)
+                scale = A.abs().amax(0).clamp_min(1.0)
+                b = torch.tensor([float(r["peak_bytes"]) for r in mem], dtype=torch.float64)
+                model.memory[mode] = (nnls(A / scale, b) / scale).tolist()
+        return model
+
+    def to_dict(self) -> dict:
+        return {
+            "time": self.time,
+            "memory": self.memory,
+            "calibrated": self.calibrated,
+            "samples": self.samples,
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        return cls(**{k: data[k] for k in ("time", "memory", "calibrated", "samples", "device")})
+
+
+# ------------------------------------------------------------------------------------ calibration
+def cache_path(model, block_tokens: int) -> Path:
+    """Where a calibration for this model signature, device and library versions is cached."""
+    from ..runtime import device_name
+
+    params = sum(p.numel() for p in model.parameters())
+    first = next(model.parameters())
+    key = f"{type(model).__name__}-{params}-{first.dtype}-{device_name(first.device)}-{block_tokens}"
+    key += f"-torch{torch.__version__}"
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
+    root = Path(os.environ.get("TREEATTN_CACHE", Path.home() / ".cache" / "treeattn_lab"))
+    return root / "cost_models" / f"{safe}.json"
+
+
+def synthetic_trie(
+    rng: random.Random, vocab: int, prompts: int, samples: int, prompt_len: int, response_len: int
+) -> RolloutTrie:
+    """``prompts`` prompts each sampled ``samples`` times: a GRPO-shaped trie of random tokens."""
+    seqs = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        for _ in range(samples):
+            n = max(1, int(response_len * rng.uniform(0.5, 1.0)))
+            seqs.append(prompt + [rng.randrange(vocab) for _ in range(n)])
+    return RolloutTrie.from_sequences(seqs)
+
+
+def calibrate(
+    model,
+    *,
+    block_tokens: int = 2048,
+    token_budget: int | None = None,
+    seconds: float = 60.0,
+    scale_tokens: int = 4096,
+    seed: int = 0,
+    use_cache: bool = True,
+    progress: bool = True,
+) -> CostModel:
+    """Measure every mode on synthetic tries of varied sharing and size on the model's device, fit.
+
+    ``scale_tokens`` sets the largest synthetic trie (about that many flat tokens). Existing ``.grad``
+    of the model's parameters are saved and restored. The result is cached per model signature and device.
+    """
+    from .tree_backward import tree_backward
+
+    path = cache_path(model, block_tokens)
+    if use_cache and path.exists():
+        return CostModel.from_dict(json.loads(path.read_text()))
+    rng = random.Random(seed)
+    vocab = (
+        model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size
+    )  # TinyLM or Hugging Face
+    shapes = []  # (prompts, samples, prompt_len, response_len): low to high sharing, small to large
+    for frac in (0.25, 0.5, 1.0):
+        total = max(64, int(scale_tokens * frac))
+        for share in (0.05, 0.5, 0.85):
+            samples = rng.choice([2, 4, 8])
+            per_seq = max(8, total // samples)
+            prompt_len = max(1, int(per_seq * share))
+            shapes.append((1, samples, prompt_len, max(4, per_seq - prompt_len)))
+    saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
+    samples_out, start = [], time.perf_counter()
+    iterator = shapes
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(shapes, desc="calibrating cost model", leave=False)
+    try:
+        for prompts, n, plen, rlen in iterator:
+            trie = synthetic_trie(rng, vocab, prompts, n, plen, rlen)
+            shape = MicroBatchShape.of(trie, block_tokens)
+            for mode in MODES:
+                best_t, best_m = math.inf, None
+                for _ in range(2):  # the first run of a shape may include warm-up
+                    result = tree_backward(
+                        model, trie, None, mode=mode, block_tokens=block_tokens, token_budget=token_budget
+                    )
+                    best_t = min(best_t, result.report.time_s)
+                    best_m = result.report.peak_memory_bytes
+                samples_out.append(
+                    {
+                        "mode": mode,
+                        "time_features": shape.time_features(mode, token_budget),
+                        "memory_features": shape.memory_features(mode, token_budget),
+                        "time_s": best_t,
+                        "peak_bytes": best_m,
+                    }
+                )
+            if time.perf_counter() - start > seconds:
+                break
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+    from ..runtime import device_name
+
+    fitted = CostModel.fit(samples_out, device=device_name(next(model.parameters()).device))
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fitted.to_dict(), indent=1))
+    return fitted

@@ -1,0 +1,199 @@
+"""DFS materialization: train on a rollout trie one root-to-leaf path at a time.
+
+A decoder layer's output for a token depends on earlier tokens only through that layer's keys and values.
+So a trie can be trained holding just the *active path*: per layer, the K/V of the tokens from the root
+to the current node (a stack), and beside them fp32 (fp64 for fp64 models) buffers for the gradients that
+later tokens send back into those K/V.
+
+The trie's nodes are cut into *blocks* of at most ``block_tokens`` tokens (a long node becomes a chain of
+blocks), and the blocks are walked depth first:
+
+- **push** a block that has children: run it without autograd against the stored prefix, append its K/V
+  to the stack (and zero its gradient buffers);
+- visit its children;
+- **pop** it (or handle a leaf block directly): run the block again *with* autograd against the prefix
+  K/V, given as detached leaf tensors; the loss of every entry whose logits lie in the block (targets
+  include the children's first tokens); backpropagate that loss together with the gradients the
+  descendants accumulated for this block's own K/V; then add the prefix leaves' ``.grad`` into the
+  ancestors' buffers. Parameter gradients accumulate in ``.grad`` as usual.
+
+Each tree token is computed with gradients exactly once; blocks with children are also run once without
+(the ``recomputed`` tokens). Peak activation memory is that of one block, plus the path's K/V and
+gradient buffers. Children's K/V gradients are summed into the shared prefix child by child, so the result
+equals flat training on every rollout, up to floating-point rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import suffix_causal
+
+
+@dataclass(frozen=True)
+class Block:
+    start: int  # packed range [start, end) of the block's tokens
+    end: int
+    position: int  # position of the first token in its rollouts (= prefix length)
+    parent: int  # index of the parent block, -1 at the root
+    has_children: bool
+
+
+def split_blocks(pack, block_tokens: int) -> list[Block]:
+    """Blocks of at most ``block_tokens`` tokens in DFS preorder (a node's chunks form a chain)."""
+    start, end = pack._cpu("node_start").tolist(), pack._cpu("node_end").tolist()
+    parent, positions = pack._cpu("node_parent").tolist(), pack._cpu("position_ids")
+    has_kids = [False] * len(start)
+    for p in parent[1:]:
+        has_kids[p] = True
+    order = sorted(range(1, len(start)), key=lambda n: start[n])  # preorder = packed order
+    last_block = {0: -1}  # node -> index of its last block
+    blocks: list[Block] = []
+    for node in order:
+        above = last_block[parent[node]]
+        for a in range(start[node], end[node], block_tokens):
+            b = min(a + block_tokens, end[node])
+            chained = b < end[node]
+            blocks.append(Block(a, b, int(positions[a]), above, chained or has_kids[node]))
+            above = len(blocks) - 1
+        last_block[node] = above
+    return blocks
+
+
+def visit_order(blocks: list[Block]) -> list[tuple[str, int]]:
+    """Events ``("push" | "pop" | "leaf", block)``: children are finished before their parent pops."""
+    children: list[list[int]] = [[] for _ in blocks]
+    roots = []
+    for i, b in enumerate(blocks):
+        (children[b.parent] if b.parent >= 0 else roots).append(i)
+    events, stack = [], [(i, False) for i in reversed(roots)]
+    while stack:
+        i, done = stack.pop()
+        if not blocks[i].has_children:
+            events.append(("leaf", i))
+        elif done:
+            events.append(("pop", i))
+        else:
+            events.append(("push", i))
+            stack.append((i, True))
+            stack.extend((c, False) for c in reversed(children[i]))
+    return events
+
+
+class PathState:
+    """Per-layer K/V of the active path and fp32 gradient buffers beside them, indexed by position."""
+
+    def __init__(self, num_layers: int, max_len: int):
+        self.num_layers, self.max_len = num_layers, max_len
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.grad_k: list[torch.Tensor | None] = [None] * num_layers
+        self.grad_v: list[torch.Tensor | None] = [None] * num_layers
+
+    def ensure(self, layer: int, like: torch.Tensor) -> None:
+        if self.k[layer] is None:
+            shape = (self.max_len, *like.shape[2:])  # [positions, Hkv, D]
+            self.k[layer] = like.new_empty(shape)
+            self.v[layer] = like.new_empty(shape)
+            accumulate = torch.promote_types(like.dtype, torch.float32)  # fp32, or fp64 for fp64 models
+            self.grad_k[layer] = like.new_zeros(shape, dtype=accumulate)
+            self.grad_v[layer] = like.new_zeros(shape, dtype=accumulate)
+
+    def nbytes(self) -> int:
+        bufs = [t for group in (self.k, self.v, self.grad_k, self.grad_v) for t in group if t is not None]
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+
+class BlockRun:
+    """The attention a model sees while one block runs: against the stored prefix, with or without grad."""
+
+    def __init__(self, state: PathState, block: Block, with_grad: bool):
+        self.state, self.block, self.with_grad = state, block, with_grad
+        n = state.num_layers
+        self.prefix_k: list[torch.Tensor | None] = [None] * n  # detached leaves (with_grad only)
+        self.prefix_v: list[torch.Tensor | None] = [None] * n
+        self.new_k: list[torch.Tensor | None] = [None] * n  # this block's own K/V, kept for injection
+        self.new_v: list[torch.Tensor | None] = [None] * n
+
+    def __call__(self, layer: int, q, k, v, scale=None):
+        st, p, n = self.state, self.block.position, q.shape[1]
+        st.ensure(layer, k)
+        if not self.with_grad:
+            st.k[layer][p : p + n] = k[0]
+            st.v[layer][p : p + n] = v[0]
+            return suffix_causal(q, st.k[layer][None, : p + n], st.v[layer][None, : p + n], scale)
+        if self.prefix_k[layer] is None:  # first call; a checkpoint's recomputation reuses the same leaves
+            self.prefix_k[layer] = st.k[layer][:p].detach().requires_grad_(True)
+            self.prefix_v[layer] = st.v[layer][:p].detach().requires_grad_(True)
+            self.new_k[layer], self.new_v[layer] = k, v
+        keys = torch.cat([self.prefix_k[layer][None].to(k.dtype), k], dim=1)
+        values = torch.cat([self.prefix_v[layer][None].to(v.dtype), v], dim=1)
+        return suffix_causal(q, keys, values, scale)
+
+    def backward(self, loss) -> None:
+        """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V."""
+        st, b = self.state, self.block
+        roots, grads = [], []
+        if loss is not None:
+            roots.append(loss)
+            grads.append(torch.ones_like(loss))
+        if b.has_children:
+            p, n = b.position, b.end - b.start
+            for layer in range(st.num_layers):
+                pairs = ((self.new_k[layer], st.grad_k[layer]), (self.new_v[layer], st.grad_v[layer]))
+                for own, buf in pairs:
+                    if own is None or not own.requires_grad:
+                        raise RuntimeError(
+                            "the block's keys and values carry no autograd history: with activation "
+                            "checkpointing use the non-reentrant kind (use_reentrant=False)"
+                        )
+                    roots.append(own)
+                    grads.append(buf[None, p : p + n].to(own.dtype))
+        if roots:
+            torch.autograd.backward(roots, grads)
+        for layer in range(st.num_layers):
+            pairs = ((self.prefix_k[layer], st.grad_k[layer]), (self.prefix_v[layer], st.grad_v[layer]))
+            for leaf, buf in pairs:
+                if leaf is not None and leaf.grad is not None:
+                    buf[: b.position] += leaf.grad
+
+
+def run_dfs(adapter, pack, plan, block_tokens: int) -> dict:
+    """Run one micro-batch's trie depth first; parameter gradients accumulate in ``.grad``.
+
+    Returns the entries' negative log-likelihoods and token counts:
+    ``{"entry_nll", "grad_tokens", "no_grad_tokens", "blocks", "path_bytes"}``.
+    """
+    blocks = split_blocks(pack, block_tokens)
+    state = PathState(adapter.num_layers, int(pack.seq_lengths.max()))
+    entry_nll = torch.zeros(plan.num_entries, dtype=torch.float64)
+    ids, pos = pack.input_ids, pack.position_ids
+    grad_tokens = no_grad_tokens = 0
+    for event, i in visit_order(blocks):
+        b = blocks[i]
+        rows = slice(b.start, b.end)
+        if event == "push":
+            for layer in range(state.num_layers):
+                if state.grad_k[layer] is not None:
+                    state.grad_k[layer][b.position : b.position + b.end - b.start] = 0
+                    state.grad_v[layer][b.position : b.position + b.end - b.start] = 0
+            with torch.no_grad():
+                adapter.logits(ids[None, rows], pos[None, rows], BlockRun(state, b, with_grad=False))
+            no_grad_tokens += b.end - b.start
+            continue
+        run = BlockRun(state, b, with_grad=True)
+        logits = adapter.logits(ids[None, rows], pos[None, rows], run)
+        loss, nll = plan.loss(logits[0], b.start)
+        entry_nll[plan.entries_in(b.start, b.end)] = nll
+        del logits
+        run.backward(loss)
+        grad_tokens += b.end - b.start
+    return {
+        "entry_nll": entry_nll,
+        "grad_tokens": grad_tokens,
+        "no_grad_tokens": no_grad_tokens,
+        "blocks": len(blocks),
+        "path_bytes": state.nbytes(),
+    }
