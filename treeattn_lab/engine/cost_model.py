@@ -199,13 +199,15 @@ class CostModel:
 
 
 # ------------------------------------------------------------------------------------ calibration
+def _device_label(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def cache_path(model, block_tokens: int) -> Path:
     """Where a calibration for this model signature, device and library versions is cached."""
-    from ..runtime import device_name
-
     params = sum(p.numel() for p in model.parameters())
     first = next(model.parameters())
-    key = f"{type(model).__name__}-{params}-{first.dtype}-{device_name(first.device)}-{block_tokens}"
+    key = f"{type(model).__name__}-{params}-{first.dtype}-{_device_label(first.device)}-{block_tokens}"
     key += f"-torch{torch.__version__}"
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
     root = Path(os.environ.get("TREEATTN_CACHE", Path.home() / ".cache" / "treeattn_lab"))
@@ -291,9 +293,7 @@ def calibrate(
     finally:
         for p, g in saved.items():
             p.grad = g
-    from ..runtime import device_name
-
-    fitted = CostModel.fit(samples_out, device=device_name(next(model.parameters()).device))
+    fitted = CostModel.fit(samples_out, device=_device_label(next(model.parameters()).device))
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(fitted.to_dict(), indent=1))
