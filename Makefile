@@ -14,7 +14,7 @@ TORCH_CPU_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: lab test venv torch lint bench-tree clean
+.PHONY: lab test venv torch browser lint bench-tree clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -55,7 +55,24 @@ $(VENV)/.dev: $(VENV)/.torch pyproject.toml
 lab: $(VENV)/.lab
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
 
-test: $(VENV)/.dev
+# Debian's chromium for the browser test (tests/test_browser.py drives JupyterLab in it through Playwright;
+# never `playwright install`). Installed with apt-get when missing; where apt-get cannot run (no root, no
+# sudo, not Debian) it says so, and the browser test skips there (it fails under CI instead).
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "[make] no /usr/bin/chromium and no apt-get: the browser test will not run here"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "[make] installing Debian's chromium for the browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	elif command -v sudo >/dev/null 2>&1; then \
+	  echo "[make] installing Debian's chromium for the browser test (sudo)"; \
+	  sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else \
+	  echo "[make] no /usr/bin/chromium, and apt-get needs root: the browser test will not run here"; \
+	fi
+
+test: $(VENV)/.dev browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist loadgroup -q $(PYTEST_ARGS)
 

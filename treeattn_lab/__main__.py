@@ -7,7 +7,8 @@ import importlib
 import json
 import sys
 
-BENCHES = {"tree": "treeattn_lab.bench.tree", "tree-tune": "treeattn_lab.bench.tree_tune"}
+BENCHES = {"tree": "treeattn_lab.bench.tree", "tree-tune": "treeattn_lab.bench.tree_tune",
+           "train": "treeattn_lab.bench.train"}
 
 
 def _info(args) -> int:

@@ -6,8 +6,19 @@ The library's own solution sits next to each checker, one module per notebook to
 
 - :mod:`.tile_schedule` (notebook 03): :func:`ancestor_keys` / :func:`check_ancestor_keys`, the keys
   before a query tile that the tile sees.
+- :mod:`.tries` (notebooks 00 and 01): :func:`tree_tokens` / :func:`check_tree_tokens`, the tokens a trie
+  stores; :func:`subtree_end_from_nodes` / :func:`check_subtree_end`, the pack's mask vector from its nodes.
 """
 
 from .tile_schedule import ancestor_keys, check_ancestor_keys
+from .tries import check_subtree_end, check_tree_tokens, pack_nodes, subtree_end_from_nodes, tree_tokens
 
-__all__ = ["ancestor_keys", "check_ancestor_keys"]
+__all__ = [
+    "ancestor_keys",
+    "check_ancestor_keys",
+    "check_subtree_end",
+    "check_tree_tokens",
+    "pack_nodes",
+    "subtree_end_from_nodes",
+    "tree_tokens",
+]

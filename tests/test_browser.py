@@ -1,0 +1,298 @@
+"""The lab in a real browser: JupyterLab runs the notebooks, widgets and plots render, the monitor is live.
+
+Starts JupyterLab headless on loopback (a free port, no token, every JUPYTER_* folder in a temp dir,
+``TREEATTN_QUICK=1``) over a *copy* of ``notebooks/`` (JupyterLab autosaves outputs into the files it
+serves; the committed notebooks must stay clean), drives Debian's chromium through Playwright (never a
+downloaded browser), runs all cells and reads the result from the page: the notebook model (through
+``--LabApp.expose_app_in_browser``) for errors, the DOM for rendered plotly figures and ipywidgets.
+Screenshots land in ``build/browser/``.
+
+Needs ``/usr/bin/chromium`` (``make browser`` installs it with apt-get) and Playwright for Python (dev
+extras). Without them the tests skip, except under CI (``CI`` or ``TREEATTN_REQUIRE_BROWSER=1`` set), where
+they fail: CI installs the browser, so a missing one is a broken setup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.xdist_group("browser")]  # one server per worker
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = REPO / "notebooks"
+SCREENSHOT_DIR = REPO / "build" / "browser"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SERVER_START_S = 60
+RUN_ALL_S = 240  # Run All Cells of one quick-mode notebook
+
+# user settings of the temp JupyterLab: every cell kept in the DOM, no news or update checks
+LAB_SETTINGS = {
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
+        "fetchNews": "false",
+        "checkForUpdates": False,
+    },
+}
+
+# JavaScript run in the page; `nb()` is the open notebook's widget
+_NB = "() => window.jupyterapp.shell.currentWidget"
+KERNEL_READY_JS = f"""() => {{
+    const w = ({_NB})();
+    const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+    return !!k && k.status === 'idle' && k.connectionStatus === 'connected';
+}}"""
+# one entry per code cell: execution count, output types, whether its prompt shows it running
+CELLS_JS = f"""() => {{
+    const nb = ({_NB})().content;
+    const out = [];
+    for (let i = 0; i < nb.model.cells.length; i++) {{
+        const cell = nb.model.cells.get(i);
+        if (cell.type !== 'code') continue;
+        const outputs = cell.outputs.toJSON();
+        out.push({{
+            index: i,
+            count: cell.executionCount,
+            types: outputs.map(o => o.output_type),
+            errors: outputs.filter(o => o.output_type === 'error').map(o => o.ename + ': ' + o.evalue),
+            running: nb.widgets[i].node.querySelector('.jp-InputArea-prompt').textContent === '[*]:',
+        }});
+    }}
+    const k = ({_NB})().sessionContext.session.kernel;
+    return {{cells: out, idle: k.status === 'idle'}};
+}}"""
+STARTED_JS = f"""() => ({CELLS_JS})().cells.some(c => c.running || c.count !== null)"""
+# the notebook is done when the kernel is idle and every code cell ran, or a cell errored (Run All stops)
+DONE_JS = f"""() => {{
+    const s = ({CELLS_JS})();
+    const ran = s.cells.every(c => c.count !== null);
+    const failed = s.cells.some(c => c.errors.length > 0);
+    return s.idle && !s.cells.some(c => c.running) && (ran || failed);
+}}"""
+
+
+def _require(ok: bool, why: str) -> None:
+    """Skip where the browser cannot run; fail under CI, which installs it."""
+    if ok:
+        return
+    if os.environ.get("CI") or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{why} (required under CI)")
+    pytest.skip(why)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the server we started (its PID), then its kernels (its own process group) if it hangs."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def lab_url(tmp_path_factory):
+    """Base URL of a JupyterLab serving a copy of notebooks/ (the server is stopped afterwards)."""
+    _require(CHROMIUM.is_file(), f"{CHROMIUM} is missing: run `make browser` (apt-get install chromium)")
+    root = tmp_path_factory.mktemp("jupyterlab")
+    shutil.copytree(NOTEBOOK_DIR, root / "notebooks")
+    settings = root / "lab-settings"
+    for name, values in LAB_SETTINGS.items():
+        path = settings / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    env = dict(
+        os.environ,
+        TREEATTN_QUICK="1",
+        JUPYTER_CONFIG_DIR=str(root / "config"),
+        JUPYTER_DATA_DIR=str(root / "data"),
+        JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(settings),
+        JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"),
+        IPYTHONDIR=str(root / "ipython"),
+    )
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        "--ServerApp.token=", "--ServerApp.password=", f"--ServerApp.root_dir={root}",
+        "--LabApp.expose_app_in_browser=True",
+    ]  # fmt: skip
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = open(root / "server.log", "w")  # noqa: SIM115 (closed in the finally below)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/status", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    pytest.fail(f"JupyterLab did not start:\n{(root / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.25)
+        yield url
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _require(False, "Playwright for Python is missing: pip install -e '.[dev]'")
+    _require(CHROMIUM.is_file(), f"{CHROMIUM} is missing: run `make browser` (apt-get install chromium)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _open_and_run_all(browser, lab_url: str, name: str, *, while_running=None):
+    """Open ``notebooks/<name>`` in a fresh workspace, Run All Cells from the Run menu and wait until done.
+
+    ``while_running(page)`` is called about every 0.1 s until then. Returns ``(page, cells)``, cells as
+    :data:`CELLS_JS` reads them.
+    """
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    workspace = name.split("_")[0]
+    page.goto(f"{lab_url}/lab/workspaces/w{workspace}/tree/notebooks/{name}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+    page.wait_for_function(KERNEL_READY_JS)  # clicking Run All before the kernel connects may do nothing
+    for attempt in range(2):  # a click lost to a race shows as no cell starting: click once more
+        page.click("li.lm-MenuBar-item:has-text('Run')")
+        page.click("li.lm-Menu-item:has-text('Run All Cells') >> nth=0")  # not "Restart Kernel and Run All"
+        try:
+            page.wait_for_function(STARTED_JS, timeout=15_000)
+            break
+        except PlaywrightTimeout:
+            assert attempt == 0, f"Run All Cells did not start {name}"
+    deadline = time.monotonic() + RUN_ALL_S
+    while not page.evaluate(DONE_JS):
+        assert time.monotonic() < deadline, f"{name} did not finish in {RUN_ALL_S} s"
+        if while_running is not None:
+            while_running(page)
+        page.wait_for_timeout(100)
+    return page, page.evaluate(CELLS_JS)["cells"]
+
+
+def _assert_clean_run(name: str, cells: list[dict]) -> None:
+    errors = [f"cell {c['index']}: {e}" for c in cells for e in c["errors"]]
+    assert not errors, f"{name}: cells raised:\n" + "\n".join(errors)
+    not_run = [c["index"] for c in cells if c["count"] is None]
+    assert not not_run, f"{name}: code cells {not_run} did not run"
+
+
+def _screenshot(page, name: str) -> Path:
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOT_DIR / f"{name}.png"
+    page.screenshot(path=str(path))
+    return path
+
+
+def test_rollout_tries_notebook_runs_in_jupyterlab(lab_url, browser):
+    name = "01_rollout_tries.ipynb"
+    committed = (NOTEBOOK_DIR / name).read_bytes()
+    page, cells = _open_and_run_all(browser, lab_url, name)
+    try:
+        _assert_clean_run(name, cells)
+        # tracebacks render as stderr text in the DOM too; none may appear
+        tracebacks = page.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']:has-text('Traceback')"
+        )
+        assert tracebacks.count() == 0
+        # plain figures (the plotly mime renderer) and the FigureWidget, each drawn as an svg
+        plots = page.locator(".jp-OutputArea .js-plotly-plot:has(svg.main-svg)")
+        assert plots.count() >= 6, "the plotly figures did not render"
+        slider = page.locator(".widget-slider").first
+        slider.wait_for(state="attached")
+        assert page.locator(".widget-dropdown").count() >= 1, "the explorer's dropdown did not render"
+        # the explorer (a FigureWidget driven by the controls) holds the redrawn trie
+        explorer = page.locator(".jp-OutputArea-output:has(.widget-slider) .js-plotly-plot")
+        assert explorer.count() == 1
+        assert "agentic, rollout 5" in explorer.first.inner_text()
+        slider.scroll_into_view_if_needed()
+        assert _screenshot(page, "01_rollout_tries").stat().st_size > 10_000
+    finally:
+        page.close()
+    assert (NOTEBOOK_DIR / name).read_bytes() == committed, "the committed notebook was modified"
+
+
+# points of the monitor's host-memory line in the page, and whether the monitor's cell is running
+MONITOR_JS = f"""() => {{
+    const nb = ({_NB})().content;
+    for (let i = 0; i < nb.model.cells.length; i++) {{
+        const cell = nb.model.cells.get(i);
+        if (cell.type !== 'code' || !cell.sharedModel.getSource().includes('with LiveMonitor(')) continue;
+        const node = nb.widgets[i].node;
+        const plot = node.querySelector('.js-plotly-plot');
+        const trace = plot && plot.data && plot.data.find(t => t.meta === 'rss');
+        return {{
+            running: (node.querySelector('.jp-InputArea-prompt') || {{}}).textContent === '[*]:',
+            points: trace && trace.x ? trace.x.length : 0,
+            steps: plot && plot.data ? (plot.data.find(t => t.meta === 'latency') || {{x: []}}).x.length : 0,
+        }};
+    }}
+    return null;
+}}"""
+
+
+def test_welcome_notebook_monitor_draws_live(lab_url, browser):
+    name = "00_welcome.ipynb"
+    seen_while_running = []
+
+    def watch(page):
+        state = page.evaluate(MONITOR_JS)
+        if state and state["running"]:
+            seen_while_running.append(state["points"])
+
+    page, cells = _open_and_run_all(browser, lab_url, name, while_running=watch)
+    try:
+        _assert_clean_run(name, cells)
+        final = page.evaluate(MONITOR_JS)
+        assert final is not None and not final["running"]
+        assert final["points"] >= 2 and final["steps"] >= 3, final
+        # live: the figure in the page grew while the monitored cell was still running
+        assert seen_while_running, "never saw the monitor's cell running"
+        assert max(seen_while_running) >= 2, f"no live points while running: {seen_while_running[-10:]}"
+        page.evaluate(MONITOR_JS.replace("return {", "node.scrollIntoView(); return {", 1))
+        _screenshot(page, "00_welcome_monitor")
+    finally:
+        page.close()
