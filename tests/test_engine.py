@@ -217,7 +217,7 @@ def test_prior_falls_back_to_flat_on_low_sharing_and_trees_elsewhere():
 
     model = CostModel()
     for name, tree_wins in (("low_sharing", False), ("agentic", True), ("grpo_math", True)):
-        shape = MicroBatchShape.of(load_trie(name), 2048)
+        shape = MicroBatchShape.of(load_trie(name), 2048, token_budget=16384)
         choice, predictions = model.choose(shape)
         assert (choice != "flat") == tree_wins, (name, predictions)
 

@@ -4,17 +4,18 @@ Each mode's time is a non-negative linear function of what it computes,
 
     time(mode) = theta_mode . [1, tokens, attention pairs, launches]
 
-- flat: tokens = flat (per-rollout) tokens, pairs = sum of L (L + 1) / 2, launches = padded chunks;
+- flat: tokens = padded tokens of the padded batches, pairs = their causal pairs, launches = batches;
 - packed: tree tokens, tree pairs (each token sees its position + 1 keys), one launch;
-- dfs: tree tokens + recomputed tokens (blocks with children run twice), their pairs, blocks run.
+- dfs: tree tokens + recomputed tokens (blocks with children run twice), their pairs, model calls.
 
 Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padded chunk, packed the
 whole micro-batch, dfs one block plus the K/V of the longest path).
 
 The coefficients are fitted by non-negative least squares on measurements taken on the current device
-(:func:`calibrate`, about a minute, cached on disk). Without calibration a neutral prior applies: time
-proportional to computed tokens, with the packed and DFS kernels assumed 5% slower per token than flat
-ones, so a trie that shares little (token ratio under about 1.05) falls back to flat.
+(:func:`calibrate`, about a minute, cached on disk). Without calibration a prior applies, read off one
+H200 run of ``bench train``: a token costs 1 unit, an attended pair 5e-4 units under flash attention and
+1.5 times that under tree-shaped attention. So a trie that shares little falls back to flat, where
+padding is small and flash attention is fastest.
 """
 
 from __future__ import annotations
@@ -65,44 +66,46 @@ class MicroBatchShape:
     """What the cost model reads of a micro-batch (computed once from its trie)."""
 
     flat_tokens: int
+    padded_tokens: int  # flat mode: rows x longest, summed over its padded batches
+    padded_pairs: int
+    flat_batches: int
     tree_tokens: int
-    flat_pairs: int
     tree_pairs: int
-    recomputed_tokens: int
+    recomputed_tokens: int  # DFS: tokens of blocks with children, run once more without grad
     recomputed_pairs: int
-    blocks: int
+    dfs_calls: int  # DFS: model calls (pushes, pops, groups of sibling leaves)
     max_block: int
     max_length: int
 
     @classmethod
-    def of(cls, trie: RolloutTrie, block_tokens: int) -> MicroBatchShape:
+    def of(cls, trie: RolloutTrie, block_tokens: int, token_budget: int | None = None) -> MicroBatchShape:
+        """Read the shape off the same plans the modes execute (padded batches, DFS blocks and events)."""
+        from .dfs import group_sibling_leaves, split_blocks, visit_order
+        from .modes import flat_chunks
+
         lengths = trie.seq_lengths
-        tree_pairs = recomputed = recomputed_pairs = blocks = max_block = 0
-        for node in trie.nodes[1:]:
-            n, d = len(node.tokens), node.depth
-            tree_pairs += n * d + n * (n + 1) // 2
-            chunks = max(1, -(-n // block_tokens))
-            blocks += chunks
-            max_block = max(max_block, min(n, block_tokens))
-            again = n if node.children else n - (n - (chunks - 1) * block_tokens)
-            recomputed += again
-            recomputed_pairs += again * d + again * (again + 1) // 2
+        padded = [(len(c), lengths[c[0]]) for c in flat_chunks(lengths, token_budget)]  # (rows, longest)
+        pack = trie.pack()
+        blocks = split_blocks(pack, block_tokens)
+        events = group_sibling_leaves(visit_order(blocks), blocks, block_tokens)
+        pushed = [blocks[g[0]] for e, g in events if e == "push"]
         return cls(
             flat_tokens=sum(lengths),
-            tree_tokens=sum(len(n.tokens) for n in trie.nodes),
-            flat_pairs=sum(L * (L + 1) // 2 for L in lengths),
-            tree_pairs=tree_pairs,
-            recomputed_tokens=recomputed,
-            recomputed_pairs=recomputed_pairs,
-            blocks=blocks,
-            max_block=max_block,
+            padded_tokens=sum(rows * n for rows, n in padded),
+            padded_pairs=sum(rows * n * (n + 1) // 2 for rows, n in padded),
+            flat_batches=len(padded),
+            tree_tokens=pack.num_tokens,
+            tree_pairs=pack.attended_pairs(),
+            recomputed_tokens=sum(b.end - b.start for b in pushed),
+            recomputed_pairs=sum(_block_pairs(b) for b in pushed),
+            dfs_calls=len(events),
+            max_block=max(b.end - b.start for b in blocks),
             max_length=max(lengths),
         )
 
-    def time_features(self, mode: str, token_budget: int | None) -> list[float]:
+    def time_features(self, mode: str) -> list[float]:
         if mode == "flat":
-            chunks = 1 if token_budget is None else max(1, math.ceil(self.flat_tokens / token_budget))
-            return [1.0, self.flat_tokens, self.flat_pairs, chunks]
+            return [1.0, self.padded_tokens, self.padded_pairs, self.flat_batches]
         if mode == "packed":
             return [1.0, self.tree_tokens, self.tree_pairs, 1]
         if mode == "dfs":
@@ -110,23 +113,32 @@ class MicroBatchShape:
                 1.0,
                 self.tree_tokens + self.recomputed_tokens,
                 self.tree_pairs + self.recomputed_pairs,
-                self.blocks + self.blocks,
+                self.dfs_calls,
             ]
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
 
-    def memory_features(self, mode: str, token_budget: int | None) -> list[float]:
+    def memory_features(self, mode: str) -> list[float]:
         if mode == "flat":
-            held = self.flat_tokens if token_budget is None else min(self.flat_tokens, token_budget)
-            return [1.0, max(held, self.max_length), 0.0]
+            return [1.0, self.padded_tokens / self.flat_batches, 0.0]
         if mode == "packed":
             return [1.0, self.tree_tokens, 0.0]
         return [1.0, self.max_block, self.max_length]
 
 
+def _block_pairs(block) -> int:
+    """Keys seen by a block's queries: its prefix plus itself, causally."""
+    n = block.end - block.start
+    return n * block.position + n * (n + 1) // 2
+
+
+PRIOR_PAIR_COST = 5e-4  # one attended pair costs this many tokens' worth of dense layers (0.49B model, H200)
+PRIOR_TREE_PAIR_FACTOR = 1.5  # tree-shaped attention kernels run about 1.5x slower per pair than flash
+
+
 def _prior() -> dict:
-    per_token = {"flat": 1.0, "packed": 1.05, "dfs": 1.05}
+    pair = {m: PRIOR_PAIR_COST * (1.0 if m == "flat" else PRIOR_TREE_PAIR_FACTOR) for m in MODES}
     return {
-        "time": {m: [0.0, per_token[m] * 1e-6, 0.0, 0.0] for m in MODES},
+        "time": {m: [0.0, 1e-6, 1e-6 * pair[m], 0.0] for m in MODES},
         "memory": {m: [0.0, 1.0, 0.05] for m in MODES},
         "calibrated": False,
         "samples": 0,
@@ -143,21 +155,19 @@ class CostModel:
     samples: int = 0
     device: str = "any"
 
-    def predict(self, shape: MicroBatchShape, mode: str, token_budget: int | None = None):
+    def predict(self, shape: MicroBatchShape, mode: str):
         """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``."""
-        time_x = shape.time_features(mode, token_budget)
-        memory_x = shape.memory_features(mode, token_budget)
+        time_x = shape.time_features(mode)
+        memory_x = shape.memory_features(mode)
         t = sum(a * f for a, f in zip(self.time[mode], time_x, strict=True))
         m = sum(a * f for a, f in zip(self.memory[mode], memory_x, strict=True))
         return t, m
 
-    def choose(
-        self, shape: MicroBatchShape, *, token_budget: int | None = None, memory_limit: float | None = None
-    ) -> tuple[str, dict]:
+    def choose(self, shape: MicroBatchShape, *, memory_limit: float | None = None) -> tuple[str, dict]:
         """The fastest mode whose predicted peak memory fits ``memory_limit``; and every prediction."""
         if memory_limit is not None and not self.calibrated:
             raise ValueError("memory_limit needs a calibrated cost model (see calibrate())")
-        predictions = {m: self.predict(shape, m, token_budget) for m in MODES}
+        predictions = {m: self.predict(shape, m) for m in MODES}
         fitting = [m for m in MODES if memory_limit is None or predictions[m][1] <= memory_limit]
         pool = fitting or ["dfs"]  # the leanest mode when nothing is predicted to fit
         return min(pool, key=lambda m: predictions[m][0]), predictions
@@ -270,7 +280,7 @@ def calibrate(
     try:
         for prompts, n, plen, rlen in iterator:
             trie = synthetic_trie(rng, vocab, prompts, n, plen, rlen)
-            shape = MicroBatchShape.of(trie, block_tokens)
+            shape = MicroBatchShape.of(trie, block_tokens, token_budget)
             for mode in MODES:
                 best_t, best_m = math.inf, None
                 for _ in range(2):  # the first run of a shape may include warm-up
@@ -282,8 +292,8 @@ def calibrate(
                 samples_out.append(
                     {
                         "mode": mode,
-                        "time_features": shape.time_features(mode, token_budget),
-                        "memory_features": shape.memory_features(mode, token_budget),
+                        "time_features": shape.time_features(mode),
+                        "memory_features": shape.memory_features(mode),
                         "time_s": best_t,
                         "peak_bytes": best_m,
                     }

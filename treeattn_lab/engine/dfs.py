@@ -128,8 +128,9 @@ class BlockRun:
             self.prefix_k[layer] = st.k[layer][:p].detach().requires_grad_(True)
             self.prefix_v[layer] = st.v[layer][:p].detach().requires_grad_(True)
             self.new_k[layer], self.new_v[layer] = k, v
-        keys = torch.cat([self.prefix_k[layer][None].to(k.dtype), k], dim=1)
-        values = torch.cat([self.prefix_v[layer][None].to(v.dtype), v], dim=1)
+        rows = k.shape[0]  # sibling leaves run as a batch of rows that share the prefix
+        keys = torch.cat([self.prefix_k[layer].to(k.dtype).expand(rows, -1, -1, -1), k], dim=1)
+        values = torch.cat([self.prefix_v[layer].to(v.dtype).expand(rows, -1, -1, -1), v], dim=1)
         return suffix_causal(q, keys, values, scale)
 
     def backward(self, loss) -> None:
@@ -160,6 +161,36 @@ class BlockRun:
                     buf[: b.position] += leaf.grad
 
 
+def group_sibling_leaves(events, blocks: list[Block], block_tokens: int):
+    """Merge runs of leaf blocks with the same parent into ``("leaves", [i, j, ...])`` events.
+
+    Sibling leaves see the same prefix and sit next to each other in the pack, so they run as one padded
+    batch (at most ``block_tokens`` padded tokens): one model call instead of one per leaf.
+    """
+    out: list[tuple[str, list[int]]] = []
+    for event, i in events:
+        if event == "leaf" and out and out[-1][0] == "leaves":
+            group = out[-1][1]
+            longest = max(blocks[j].end - blocks[j].start for j in group + [i])
+            if blocks[group[0]].parent == blocks[i].parent and longest * (len(group) + 1) <= block_tokens:
+                group.append(i)
+                continue
+        out.append(("leaves" if event == "leaf" else event, [i]))
+    return out
+
+
+def _leaf_batch(ids, positions, blocks: list[Block], group: list[int]):
+    """Right-padded ``[rows, longest]`` token ids and positions of sibling leaf blocks."""
+    lengths = [blocks[i].end - blocks[i].start for i in group]
+    longest = max(lengths)
+    batch_ids = ids.new_zeros(len(group), longest)
+    for r, i in enumerate(group):
+        batch_ids[r, : lengths[r]] = ids[blocks[i].start : blocks[i].end]
+    start = int(positions[blocks[group[0]].start])
+    batch_pos = (start + torch.arange(longest, device=ids.device)).expand(len(group), longest)
+    return batch_ids, batch_pos, lengths
+
+
 def run_dfs(adapter, pack, plan, block_tokens: int) -> dict:
     """Run one micro-batch's trie depth first; parameter gradients accumulate in ``.grad``.
 
@@ -171,9 +202,22 @@ def run_dfs(adapter, pack, plan, block_tokens: int) -> dict:
     entry_nll = torch.zeros(plan.num_entries, dtype=torch.float64)
     ids, pos = pack.input_ids, pack.position_ids
     grad_tokens = no_grad_tokens = 0
-    for event, i in visit_order(blocks):
-        b = blocks[i]
+    for event, group in group_sibling_leaves(visit_order(blocks), blocks, block_tokens):
+        b = blocks[group[0]]
         rows = slice(b.start, b.end)
+        if event == "leaves":
+            first, last = blocks[group[0]], blocks[group[-1]]
+            span = Block(first.start, last.end, first.position, first.parent, has_children=False)
+            batch_ids, batch_pos, lengths = _leaf_batch(ids, pos, blocks, group)
+            run = BlockRun(state, span, with_grad=True)
+            logits = adapter.logits(batch_ids, batch_pos, run)
+            logits = torch.cat([logits[r, :n] for r, n in enumerate(lengths)])  # = packed rows of the span
+            loss, nll = plan.loss(logits, span.start)
+            entry_nll[plan.entries_in(span.start, span.end)] = nll
+            del logits
+            run.backward(loss)
+            grad_tokens += span.end - span.start
+            continue
         if event == "push":
             for layer in range(state.num_layers):
                 if state.grad_k[layer] is not None:

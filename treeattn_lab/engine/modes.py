@@ -19,18 +19,24 @@ from .loss_plan import LossPlan, flat_losses
 MODES = ("flat", "packed", "dfs")
 
 
+def flat_chunks(lengths: list[int], token_budget: int | None) -> list[list[int]]:
+    """Rollouts sorted longest first (similar lengths pad less), cut into padded batches of at most
+    ``token_budget`` tokens (rows x longest); a rollout longer than the budget gets a batch alone."""
+    chunks: list[list[int]] = [[]]
+    for j in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        current = chunks[-1]
+        longest = lengths[current[0]] if current else lengths[j]
+        if current and token_budget is not None and longest * (len(current) + 1) > token_budget:
+            chunks.append([])
+        chunks[-1].append(j)
+    return chunks
+
+
 def run_flat(adapter, micro_batch, weights, *, token_budget: int | None) -> dict:
-    """Rollouts in DFS order, padded into chunks of at most ``token_budget`` padded tokens (>= 1 rollout)."""
+    """Every rollout on its own, right-padded into batches of at most ``token_budget`` padded tokens."""
     device = adapter.device
     seqs = micro_batch.trie.sequences()
-    chunks, current = [], []
-    for j in sorted(range(len(seqs)), key=lambda j: -len(seqs[j])):  # similar lengths pad less
-        longest = max([len(seqs[j])] + [len(seqs[c]) for c in current])
-        if current and token_budget is not None and longest * (len(current) + 1) > token_budget:
-            chunks.append(current)
-            current = []
-        current.append(j)
-    chunks.append(current)
+    chunks = flat_chunks([len(s) for s in seqs], token_budget)
     losses = torch.zeros(len(seqs), dtype=torch.float64)
     for chunk in chunks:
         lengths = [len(seqs[j]) for j in chunk]

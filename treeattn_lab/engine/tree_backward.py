@@ -103,8 +103,8 @@ def _run_micro_batch(
     mb_weights = [weights[i] for i in mb.sequences]
     chosen, predicted = mode, {}
     if mode == "auto":
-        shape = MicroBatchShape.of(mb.trie, block_tokens)
-        chosen, predictions = cost_model.choose(shape, token_budget=token_budget, memory_limit=memory_limit)
+        shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
+        chosen, predictions = cost_model.choose(shape, memory_limit=memory_limit)
         predicted = {m: p[0] for m, p in predictions.items()}
     if chosen == "flat":
         out = run_flat(adapter, mb, mb_weights, token_budget=token_budget)
@@ -116,7 +116,8 @@ def _run_micro_batch(
     report.modes.append(chosen)
     report.predicted_s.append(predicted)
     report.tree_tokens += mb.tree_tokens
-    report.carried_tokens += mb.carried_tokens
+    if chosen != "flat":  # flat runs every rollout whole anyway: a cut prefix costs it nothing extra
+        report.carried_tokens += mb.carried_tokens
     report.grad_tokens += out["grad_tokens"]
     report.no_grad_tokens += out["no_grad_tokens"]
 
