@@ -42,8 +42,11 @@ Backward (FlashAttention-2)
     dV += p^T dO,   dP = dO V^T,   dS = p * (dP - delta),   dK += dS^T Q * scale,   dQ += dS K * scale.
 
 One kernel owns a key tile and a kv head and loops over the query tiles that see it and over the G
-query heads sharing that kv head (grouped-query attention), so dK and dV need no atomics. A second
-kernel owns a query tile and head and accumulates dQ over the forward schedule.
+query heads sharing that kv head (grouped-query attention), so dK and dV need no atomics. With few kv
+heads that grid is too small to fill the GPU (2 kv heads x 250 key tiles on 132 SMs), so the backward
+may instead *split the groups*: run the kernel per query head over K/V repeated to Hq heads, writing fp32
+partial dK/dV per query head, and sum each group afterwards. A second kernel owns a query tile and head
+and accumulates dQ over the forward schedule.
 
 Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use IEEE fp32
 dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32 / fp16 there.
@@ -376,18 +379,37 @@ def _launch(sched, launch, dtype, group, head_dim):
                 DOT_PRECISION=_dot_precision(dtype), num_warps=launch[0], num_stages=launch[1])
 
 
-def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sched, dq_launch, scale):
+def should_split_groups(T: int, hq: int, hkv: int, block_n: int, device: torch.device) -> bool:
+    """Split GQA groups in the dK/dV kernel when one program per (key tile, kv head) is under 4 waves."""
+    if hq == hkv:
+        return False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return triton.cdiv(T, block_n) * hkv < 4 * sms
+
+
+def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sched, dq_launch, scale,
+              split_groups):
     T, hq, d = q.shape
     hkv = k.shape[1]
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [Hq, T]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _tree_attn_bwd_dkdv[(triton.cdiv(T, dkdv_sched["block_n"]), hkv)](
-        q, k, v, do, lse, delta, dk, dv, subtree_end, dkdv_sched["bwd_ptr"], dkdv_sched["bwd_idx"],
-        T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    dq = torch.empty_like(q)
+    if split_groups is None:
+        split_groups = should_split_groups(T, hq, hkv, dkdv_sched["block_n"], q.device)
+    if split_groups and hq != hkv:  # per query head over repeated K/V, fp32 partials summed per group
+        kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+        dk, dv = (torch.empty((T, hq, d), device=q.device, dtype=torch.float32) for _ in range(2))
+    else:
+        kk, vv = k, v
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _tree_attn_bwd_dkdv[(triton.cdiv(T, dkdv_sched["block_n"]), kk.shape[1])](
+        q, kk, vv, do, lse, delta, dk, dv, subtree_end, dkdv_sched["bwd_ptr"], dkdv_sched["bwd_idx"],
+        T, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale * LOG2E, scale, **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // hkv, d),
+        scale * LOG2E, scale, **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // kk.shape[1], d),
     )
+    if kk is not k:
+        dk, dv = (x.view(T, hkv, hq // hkv, d).sum(2).to(k.dtype) for x in (dk, dv))
     _tree_attn_bwd_dq[(triton.cdiv(T, dq_sched["block_m"]), hq)](
         q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
         T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -401,18 +423,19 @@ class TreeAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: forward saves (q, k, v, o, lse); backward recomputes probabilities from lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, subtree_end, scale, fwd_plan, dkdv_plan, dq_plan):
+    def forward(ctx, q, k, v, subtree_end, scale, fwd_plan, dkdv_plan, dq_plan, split_groups):
         o, lse = _forward(q, k, v, subtree_end, *fwd_plan, scale)
         ctx.save_for_backward(q, k, v, o, lse, subtree_end)
-        ctx.scale, ctx.dkdv_plan, ctx.dq_plan = scale, dkdv_plan, dq_plan
+        ctx.scale, ctx.dkdv_plan, ctx.dq_plan, ctx.split_groups = scale, dkdv_plan, dq_plan, split_groups
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, subtree_end = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, subtree_end, *ctx.dkdv_plan, *ctx.dq_plan, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _backward(do, q, k, v, o, lse, subtree_end, *ctx.dkdv_plan, *ctx.dq_plan, ctx.scale,
+                               ctx.split_groups)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def schedule_for(pack, block_m: int, block_n: int) -> dict:
@@ -424,13 +447,14 @@ def schedule_for(pack, block_m: int, block_n: int) -> dict:
 
 
 def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_config=None, dq_config=None,
-                          return_lse=False):
+                          return_lse=False, split_groups=None):
     """Tree attention with the Triton kernels (inputs already validated by ``treeattn_lab.ops``).
 
     ``fwd_config`` / ``dkdv_config`` / ``dq_config`` override a kernel's launch as
     ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tile sizes are powers of two >= 16; small tiles make
     small tests exercise many tiles). With ``return_lse`` also returns the natural-log log-sum-exp
-    ``[T, Hq]``.
+    ``[T, Hq]``. ``split_groups`` (None: :func:`should_split_groups` decides) runs the dK/dV kernel per
+    query head instead of per kv head under grouped-query attention.
     """
     _check(q, k, v)
     d = q.shape[-1]
@@ -444,7 +468,7 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     o, lse2 = TreeAttentionFunction.apply(
         q, k, v, pack.subtree_end.contiguous(), scale,
-        plan(fwd_config, "fwd"), plan(dkdv_config, "dkdv"), plan(dq_config, "dq"),
+        plan(fwd_config, "fwd"), plan(dkdv_config, "dkdv"), plan(dq_config, "dq"), split_groups,
     )
     if return_lse:
         return o, lse2.transpose(0, 1) / LOG2E

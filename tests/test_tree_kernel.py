@@ -50,14 +50,14 @@ def _rel(a, b):
     return float((a.detach().cpu().double() - b.cpu()).norm() / max(float(b.norm()), b.numel() ** 0.5))
 
 
-def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None):
+def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None, split_groups=None):
     gen = torch.Generator().manual_seed(seed)
     T = pack.num_tokens
     q, k, v = (torch.randn(T, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
     do = torch.randn(T, hq, d, generator=gen).to(dtype)
     inputs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v)]
     with poisoned_allocations():
-        out = triton_tree_attention(*inputs, pack.to(DEVICE), scale=scale, **tiles)
+        out = triton_tree_attention(*inputs, pack.to(DEVICE), scale=scale, split_groups=split_groups, **tiles)
         out.backward(do.to(DEVICE))
     ref_in = [x.double().requires_grad_() for x in (q, k, v)]
     ref = reference.tree_attention(*ref_in, pack.subtree_end, scale=scale)
@@ -75,10 +75,12 @@ def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None):
 
 @settings(max_examples=8)
 @given(seqs=rollout_forests(max_sequences=6, max_len=24), seed=st.integers(0, 2**31 - 1),
-       gqa=st.sampled_from([(2, 1), (2, 2), (4, 2)]), tiles=st.sampled_from(SMALL_TILES))
-def test_kernel_matches_reference_on_random_forests_fp32(seqs, seed, gqa, tiles):
+       gqa=st.sampled_from([(2, 1), (2, 2), (4, 2)]), tiles=st.sampled_from(SMALL_TILES),
+       split_groups=st.sampled_from([False, True]))
+def test_kernel_matches_reference_on_random_forests_fp32(seqs, seed, gqa, tiles, split_groups):
     pack = RolloutTrie.from_sequences(seqs).pack()
-    _check(pack, hq=gqa[0], hkv=gqa[1], d=16, dtype=torch.float32, seed=seed, tiles=tiles)
+    _check(pack, hq=gqa[0], hkv=gqa[1], d=16, dtype=torch.float32, seed=seed, tiles=tiles,
+           split_groups=split_groups)
 
 
 @settings(max_examples=4)
@@ -88,14 +90,16 @@ def test_kernel_matches_reference_fp16(seqs, seed):
     _check(pack, hq=2, hkv=1, d=32, dtype=torch.float16, seed=seed, tiles=SMALL_TILES[0])
 
 
+@pytest.mark.parametrize("split_groups", [False, True])
 @pytest.mark.parametrize("order", ["insertion", "size"])
-def test_prefix_sequences_single_token_nodes_and_awkward_length(order):
+def test_prefix_sequences_single_token_nodes_and_awkward_length(order, split_groups):
     # a rollout that is a prefix of another, single-token nodes, duplicates; T = 71 (not a tile multiple)
     seqs = [list(range(30)), list(range(12)), list(range(12)) + [99], list(range(12)) + [99, 5],
             [7], [7, 8] + list(range(40, 55)), list(range(30))]
     pack = RolloutTrie.from_sequences(seqs).pack(order=order)
     assert pack.num_tokens % 16 != 0
-    _check(pack, hq=4, hkv=2, d=16, dtype=torch.float32, seed=1, tiles=SMALL_TILES[1], scale=0.3)
+    _check(pack, hq=4, hkv=2, d=16, dtype=torch.float32, seed=1, tiles=SMALL_TILES[1], scale=0.3,
+           split_groups=split_groups)
 
 
 def test_default_tiles_head_dim_64_through_public_entry_point():
