@@ -165,6 +165,23 @@ def test_hugging_face_llama_gradients_equal_flat_training(mode, checkpointing):
     assert model.config._attn_implementation == before  # the model's own attention is restored
 
 
+@given(
+    seqs=rollout_forests(max_sequences=5, max_len=10, max_vocab=VOCAB),
+    mode=st.sampled_from(MODES),
+    block_tokens=st.integers(1, 4),
+    checkpointing=st.booleans(),
+)
+@settings(max_examples=8, deadline=None)
+def test_hugging_face_llama_on_random_tries(seqs, mode, block_tokens, checkpointing):
+    model = hf_llama(seed=2)
+    weights = random_weights(seqs, 6)
+    expected, _ = flat_gradients(model, seqs, weights)
+    if checkpointing:
+        enable_hf_checkpointing(model)
+    tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode=mode, block_tokens=block_tokens)
+    assert_grads_close(model, expected, 1e-5)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_gradients_within_1e5_of_flat(mode):
     model = tiny_lm(dtype=torch.float32, seed=4)
