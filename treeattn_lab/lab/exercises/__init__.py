@@ -8,17 +8,25 @@ The library's own solution sits next to each checker, one module per notebook to
   before a query tile that the tile sees.
 - :mod:`.tries` (notebooks 00 and 01): :func:`tree_tokens` / :func:`check_tree_tokens`, the tokens a trie
   stores; :func:`subtree_end_from_nodes` / :func:`check_subtree_end`, the pack's mask vector from its nodes.
+- :mod:`.dfs` (notebook 02): :func:`stack_positions` / :func:`check_stack_positions`, the packed positions on
+  the K/V stack when a block runs; :func:`dfs_events` / :func:`check_dfs_events`, the push/leaf/pop order.
 """
 
+from .dfs import block_lists, check_dfs_events, check_stack_positions, dfs_events, stack_positions
 from .tile_schedule import ancestor_keys, check_ancestor_keys
 from .tries import check_subtree_end, check_tree_tokens, pack_nodes, subtree_end_from_nodes, tree_tokens
 
 __all__ = [
     "ancestor_keys",
+    "block_lists",
     "check_ancestor_keys",
+    "check_dfs_events",
+    "check_stack_positions",
     "check_subtree_end",
     "check_tree_tokens",
+    "dfs_events",
     "pack_nodes",
+    "stack_positions",
     "subtree_end_from_nodes",
     "tree_tokens",
 ]
