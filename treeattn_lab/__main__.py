@@ -8,7 +8,8 @@ import json
 import sys
 
 BENCHES = {"tree": "treeattn_lab.bench.tree", "tree-tune": "treeattn_lab.bench.tree_tune",
-           "train": "treeattn_lab.bench.train"}
+           "train": "treeattn_lab.bench.train",
+           "dilated": "treeattn_lab.bench.dilated"}
 
 
 def _info(args) -> int:

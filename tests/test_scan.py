@@ -1,0 +1,134 @@
+"""The gated scan: the Triton kernel against the plain loop, forward and backward, and the op's checks.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 (fp32 and fp16); on a GPU it runs compiled. Buffers the
+kernel module allocates start as NaN, so an element it forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from treeattn_lab.kernels import scan as kernel_module
+from treeattn_lab.kernels.scan import triton_gated_scan
+
+from treeattn_lab.ops.dilated import gated_scan
+from treeattn_lab.reference.scan import gated_scan as reference_scan
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+CONFIGS = [(16, 4, 1, 1), (8, 8, 1, 1), (32, 16, 4, 1)]
+
+
+@contextlib.contextmanager
+def poisoned_allocations(inclusive_every: int = 1):
+    """NaN-filled ``torch.empty`` / ``empty_like`` in the kernel module; with ``inclusive_every > 1`` only
+    every k-th chunk publishes its state, so the look-back composes the other chunks' maps."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    def nan_empty_like(x, **kwargs):
+        return empty_like(x, **kwargs).fill_(float("nan"))
+
+    with mock.patch.object(kernel_module.torch, "empty", nan_empty), \
+            mock.patch.object(kernel_module.torch, "empty_like", nan_empty_like), \
+            mock.patch.object(kernel_module, "_INCLUSIVE_EVERY", inclusive_every):
+        yield
+
+
+def _rel(a, b):
+    b = b.detach().double().cpu()
+    return float((a.detach().double().cpu() - b).norm() / max(float(b.norm()), 1e-12))
+
+
+def _check(shape, dim, dtype, seed, config, inclusive_every=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    g = torch.rand(shape, generator=gen, dtype=torch.float64).to(dtype)
+    dh = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    xk, gk = (t.clone().to(DEVICE).requires_grad_() for t in (x, g))
+    with poisoned_allocations(inclusive_every):
+        h = triton_gated_scan(xk, gk, dim=dim, config=config)
+        h.backward(dh.to(DEVICE))
+    xr, gr = (t.double().requires_grad_() for t in (x, g))
+    hr = reference_scan(xr, gr, dim=dim)
+    hr.backward(dh.double())
+    tol = TOL[dtype]
+    assert h.dtype == dtype and h.shape == x.shape
+    assert torch.isfinite(h).all() and torch.isfinite(xk.grad).all() and torch.isfinite(gk.grad).all()
+    assert _rel(h, hr) < tol
+    assert _rel(xk.grad, xr.grad) < 2 * tol
+    assert _rel(gk.grad, gr.grad) < 4 * tol  # dg = lam (h_{t-1} - x_t) reads the stored (rounded) h
+    torch.testing.assert_close(xk.detach().cpu(), x, rtol=0, atol=0)  # inputs untouched
+
+
+@settings(max_examples=10)
+@given(
+    n=st.integers(1, 70),
+    channels=st.sampled_from([(1,), (3,), (2, 5), (4, 4)]),
+    batch=st.sampled_from([(), (2,)]),
+    seed=st.integers(0, 2**31 - 1),
+    config=st.sampled_from(CONFIGS),
+    inclusive_every=st.sampled_from([1, 3, 1000]),
+)
+def test_kernel_matches_loop_fp32(n, channels, batch, seed, config, inclusive_every):
+    shape = (*batch, n, *channels)
+    _check(shape, len(batch), torch.float32, seed, config, inclusive_every)
+
+
+@pytest.mark.parametrize("inclusive_every", [2, 3, 1000])
+def test_look_back_composes_chunk_maps(inclusive_every):
+    """Chunks that publish only their map make later chunks compose maps back to a known state."""
+    _check((2, 70, 5), 1, torch.float32, seed=inclusive_every, config=(8, 4, 1, 1),
+           inclusive_every=inclusive_every)
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((45, 3, 7), 0), ((2, 33, 6), 1)])
+def test_kernel_matches_loop_fp16(shape, dim):
+    _check(shape, dim, torch.float16, seed=shape[0], config=(16, 4, 1, 1))
+
+
+def test_time_axis_anywhere():
+    """``dim=-3`` of ``[B, N, H, d]`` (the RAT+ layout) equals the loop; so does the op's auto backend."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 19, 2, 4, generator=gen)
+    g = torch.rand(2, 19, 2, 4, generator=gen)
+    ref = reference_scan(x, g, dim=1)
+    torch.testing.assert_close(triton_gated_scan(x.to(DEVICE), g.to(DEVICE), dim=1).cpu(), ref)
+    torch.testing.assert_close(gated_scan(x, g, dim=-3, backend="reference"), ref)
+    auto = gated_scan(x.to(DEVICE), g.to(DEVICE), dim=-3).cpu()
+    torch.testing.assert_close(auto, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_is_the_recurrence():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    g = torch.tensor([0.5, 0.25, 1.0])
+    # h0 = 0.5 * 1; h1 = 0.25 * 0.5 + 0.75 * 2; h2 = 1.0 * h1 (a closed gate keeps the state)
+    torch.testing.assert_close(reference_scan(x, g), torch.tensor([0.5, 1.625, 1.625]))
+    assert reference_scan(x.double(), g.double()).dtype == torch.float64
+    assert reference_scan(torch.empty(0, 3), torch.empty(0, 3)).shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    ("x", "g", "kwargs", "error", "match"),
+    [
+        (torch.zeros(3, 2), torch.zeros(3, 3), {}, ValueError, "shapes"),
+        (torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.float64), {}, TypeError, "dtypes"),
+        (torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64), {}, TypeError,
+         "floating"),
+        ([1.0, 2.0], torch.zeros(2), {}, TypeError, "x must be"),
+        (torch.zeros(3, 2), torch.zeros(3, 2), {"dim": 2}, ValueError, "out of range"),
+        (torch.zeros(3, 2), torch.zeros(3, 2), {"dim": 0.0}, TypeError, "dim"),
+        (torch.zeros(3, 2), torch.zeros(3, 2), {"backend": "flex"}, ValueError, "no 'flex'"),
+        (torch.zeros(3, 2), torch.zeros(3, 2), {"backend": "cuda"}, ValueError, "unknown backend"),
+    ],
+)
+def test_gated_scan_rejects_bad_input(x, g, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gated_scan(x, g, **kwargs)
