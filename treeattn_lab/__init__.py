@@ -11,8 +11,10 @@ link_source_kernels()  # a source checkout run without installing: kernels/ -> t
 
 from .ops import available_backends, tree_attention  # noqa: E402
 from .ops.dilated import dilated_attention  # noqa: E402
+from .ops.sparse import sparse_attention  # noqa: E402
 from .pack import TreePack  # noqa: E402
 from .trie import RolloutTrie  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["RolloutTrie", "TreePack", "available_backends", "dilated_attention", "tree_attention"]
+__all__ = ["RolloutTrie", "TreePack", "available_backends", "dilated_attention", "sparse_attention",
+           "tree_attention"]

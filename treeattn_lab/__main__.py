@@ -7,9 +7,13 @@ import importlib
 import json
 import sys
 
-BENCHES = {"tree": "treeattn_lab.bench.tree", "tree-tune": "treeattn_lab.bench.tree_tune",
-           "train": "treeattn_lab.bench.train",
-           "dilated": "treeattn_lab.bench.dilated"}
+BENCHES = {
+    "tree": "treeattn_lab.bench.tree",
+    "tree-tune": "treeattn_lab.bench.tree_tune",
+    "train": "treeattn_lab.bench.train",
+    "sparse": "treeattn_lab.bench.sparse",
+    "dilated": "treeattn_lab.bench.dilated",
+}
 
 
 def _info(args) -> int:

@@ -1,0 +1,215 @@
+"""``python -m treeattn_lab.distributed.ring_check``: sparse ring attention equals one-device attention.
+
+On GPUs, under torchrun (NCCL)::
+
+    torchrun --nproc-per-node 2 -m treeattn_lab.distributed.ring_check --tokens 262144 --out results/
+
+checks the ring's output and gradients against the single-GPU kernel on the same inputs and times both
+(forward and forward + backward), writing ``sparse-ring__*.json``. On CPUs (gloo; the tests spawn ranks
+through :func:`run_spawned`) :func:`check_equivalence` compares against the einops reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..patterns.vertical_slash import VerticalSlashPattern, synthetic_pattern
+from .layouts import shard
+from .ring import ring_sparse_attention
+
+
+def make_inputs(num_tokens, heads, kv_heads, dim, *, dtype, device, seed):
+    """Seeded ``q, k, v, do`` of the whole sequence, identical on every rank (same device type)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = [(num_tokens, heads, dim), (num_tokens, kv_heads, dim), (num_tokens, kv_heads, dim),
+              (num_tokens, heads, dim)]
+    return [torch.randn(s, generator=gen, dtype=torch.float32, device=device).to(dtype) for s in shapes]
+
+
+def small_pattern(num_tokens, heads, block_size, seed) -> VerticalSlashPattern:
+    """A random pattern with lines everywhere (far slashes too), so every ring step has work."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    vertical = torch.randint(-1, num_tokens, (heads, 6), generator=gen)
+    slash = torch.randint(-1, num_tokens, (heads, 4), generator=gen)
+    slash[:, 0] = 0
+    return VerticalSlashPattern(vertical, slash, block_size)
+
+
+def check_equivalence(*, layout="striped", inner=None, backend="reference", tokens=192, heads=4, kv_heads=2,
+                      dim=16, block_size=16, dtype=torch.float64, seed=0, group=None) -> dict:
+    """This rank's largest errors of ring attention against the full-sequence reference (fwd and grads)."""
+    from ..ops.sparse import reference_sparse_attention
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device("cpu")
+    q, k, v, do = make_inputs(tokens, heads, kv_heads, dim, dtype=torch.float64, device=device, seed=seed)
+    pattern = small_pattern(tokens, heads, block_size, seed)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_ref = reference_sparse_attention(*full, pattern)
+    out_ref.backward(do)
+    local = [shard(x, layout, world, rank, block_size).to(dtype).requires_grad_() for x in (q, k, v)]
+    inputs_before = [x.detach().clone() for x in local]
+    out = ring_sparse_attention(*local, pattern, num_tokens=tokens, layout=layout, inner=inner, group=group,
+                                backend=backend)
+    out.backward(shard(do, layout, world, rank, block_size).to(dtype))
+    want = [out_ref] + [x.grad for x in full]
+    got = [out] + [x.grad for x in local]
+    errors = {}
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        w = shard(w.detach(), layout, world, rank, block_size)
+        errors[name] = float((g.detach().double() - w).abs().max()) if g is not None else float("inf")
+    errors["inputs_unchanged"] = all(torch.equal(a.detach(), b)
+                                     for a, b in zip(local, inputs_before, strict=True))
+    return errors
+
+
+def _spawned_worker(rank, world, init_file, cases, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = [check_equivalence(**case) for case in cases]
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(world: int, cases: list[dict], *, timeout: float = 120.0) -> list[list[dict]]:
+    """Run :func:`check_equivalence` for each case on ``world`` gloo ranks in fresh processes.
+
+    Returns ``results[rank][case]``. Raises TimeoutError (after killing the ranks it started) when they
+    do not finish within ``timeout`` seconds, so a hung ring never hangs the caller.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(_spawned_worker, args=(world, init_file, cases, tmp), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"ring attention on {world} ranks did not finish in {timeout:.0f} s")
+        return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+
+
+# ------------------------------------------------------------------------------------------ torchrun
+def _timed(fn, reps: int, group) -> float:
+    """Median ms of ``fn()`` across ranks in step (barrier before and after each run)."""
+    for _ in range(2):
+        fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    samples = []
+    for _ in range(reps):
+        dist.barrier(group)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        dist.barrier(group)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m treeattn_lab.distributed.ring_check",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=262144)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layouts", default="striped,zigzag,contiguous")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    args = parser.parse_args(argv)
+
+    import triton  # noqa: F401  (the GPU path needs it)
+
+    from ..bench.harness import environment, print_table, time_ms, write_results
+    from ..ops.sparse import sparse_attention
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    N, H = args.tokens, args.heads
+    q, k, v, do = make_inputs(N, H, args.kv_heads, args.dim, dtype=dtype, device=device, seed=0)
+    pattern = synthetic_pattern(N, H, device=device, block_size=128 if cuda else 16)
+    bs = pattern.block_size
+
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_single = sparse_attention(*full, pattern, backend="triton")
+    out_single.backward(do)
+    want = [out_single.detach()] + [x.grad.clone() for x in full]  # timing below reruns backward
+
+    def single_fwd():
+        with torch.no_grad():
+            sparse_attention(*full, pattern, backend="triton")
+
+    def single_fwd_bwd():
+        sparse_attention(*full, pattern, backend="triton").backward(do)
+
+    single = {"fwd_ms": time_ms(single_fwd, device=device),
+              "fwd_bwd_ms": time_ms(single_fwd_bwd, grad_to_none=full, device=device)}
+    rows = []
+    for layout in args.layouts.split(","):
+        local = [shard(x, layout, world, rank, bs).requires_grad_() for x in (q, k, v)]
+        do_local = shard(do, layout, world, rank, bs)
+
+        def ring_fwd(layout=layout, local=local):
+            with torch.no_grad():
+                ring_sparse_attention(*local, pattern, num_tokens=N, layout=layout)
+
+        def ring_fwd_bwd(layout=layout, local=local, do_local=do_local):
+            for x in local:
+                x.grad = None
+            ring_sparse_attention(*local, pattern, num_tokens=N, layout=layout).backward(do_local)
+
+        ring_fwd_bwd()
+        got = [ring_sparse_attention(*local, pattern, num_tokens=N, layout=layout).detach()]
+        got += [x.grad for x in local]
+        err = {}
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            w = shard(w, layout, world, rank, bs).float()
+            e = torch.tensor([float((g.float() - w).norm() / w.norm().clamp_min(1e-30))], device=device)
+            dist.all_reduce(e, op=dist.ReduceOp.MAX)
+            err[f"rel_err_{name}"] = float(e)
+        fwd_ms, fwd_bwd_ms = _timed(ring_fwd, args.reps, None), _timed(ring_fwd_bwd, args.reps, None)
+        rows.append({"tokens": N, "world": world, "layout": layout, "single_fwd_ms": single["fwd_ms"],
+                     "single_fwd_bwd_ms": single["fwd_bwd_ms"], "ring_fwd_ms": fwd_ms,
+                     "ring_fwd_bwd_ms": fwd_bwd_ms, "fwd_speedup": single["fwd_ms"] / fwd_ms,
+                     "fwd_bwd_speedup": single["fwd_bwd_ms"] / fwd_bwd_ms, **err})
+    if rank == 0:
+        env = environment()
+        env["world"] = world
+        columns = [("layout", "layout"), ("tokens", "tokens"), ("single_fwd_bwd_ms", "1 GPU fwd+bwd ms"),
+                   ("ring_fwd_bwd_ms", f"ring x{world} fwd+bwd ms"), ("fwd_bwd_speedup", "fwd+bwd x 1 GPU"),
+                   ("fwd_speedup", "fwd x 1 GPU"), ("rel_err_out", "err out"), ("rel_err_dk", "err dk")]
+        print_table(f"sparse ring attention over {world} ranks, {env['device']}", columns, rows)
+        path = write_results("sparse-ring", rows, env, directory=Path(args.out) if args.out else None,
+                             extra={"dtype": str(dtype), "heads": H, "head_dim": args.dim,
+                                    "pattern": repr(pattern)})
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

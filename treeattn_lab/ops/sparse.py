@@ -1,0 +1,152 @@
+"""``sparse_attention``: causal attention restricted to a vertical-slash pattern, one call for every backend.
+
+Backends:
+- ``"reference"``: the einops definition over the pattern's dense per-head mask (any device, float64
+  included; builds an ``H x N x N`` mask, so small inputs only).
+- ``"flex"``: PyTorch FlexAttention with the pattern's ``mask_mod`` and a block mask made from the same
+  tiles (selected off-diagonal tiles full, the diagonal and every tile holding a bar column partial);
+  compiled on CUDA, forward only on CPU. The baseline the kernel is measured against.
+- ``"triton"``: the lab's block-sparse kernel (``treeattn_lab.kernels.block_sparse``): selected tiles plus
+  gathered bar columns, nothing else loaded.
+- ``"auto"``: triton on CUDA, else reference.
+
+The pattern's kernel index and Flex block mask are built once per (pattern, token count, device) and
+cached on the pattern: every layer reusing a pattern pays for them once.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+from einops import rearrange
+
+from .. import reference
+from ..patterns.vertical_slash import VerticalSlashPattern
+from .validation import check_qkv, check_scale
+
+BACKENDS = ("reference", "flex", "triton")
+
+
+def sparse_backends(device="cpu") -> list[str]:
+    """Backends that can run sparse attention here (forward at least)."""
+    out = ["reference"]
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
+        out.append("flex")
+    if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
+            "treeattn_lab.kernels.block_sparse") is not None:
+        out.append("triton")
+    return out
+
+
+def _choose(backend, device: torch.device) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    avail = sparse_backends(device)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and "triton" in avail else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+    if backend not in avail:
+        raise ValueError(f"backend {backend!r} is not available on {device} here")
+    return backend
+
+
+def check_pattern(pattern, q) -> None:
+    """The pattern must be a :class:`VerticalSlashPattern` with q's heads, on q's device, fitting N."""
+    if not isinstance(pattern, VerticalSlashPattern):
+        raise TypeError(
+            f"pattern must be a VerticalSlashPattern (see estimate()), got {type(pattern).__name__}"
+        )
+    if pattern.num_heads != q.shape[1]:
+        raise ValueError(f"pattern has {pattern.num_heads} heads but q has {q.shape[1]} query heads")
+    if pattern.device != q.device:
+        raise ValueError(f"pattern is on {pattern.device} but q on {q.device}; move it with pattern.to()")
+    pattern.check_tokens(q.shape[0])
+
+
+def reference_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale=None, return_lse=False):
+    """The definition: masked attention with the pattern's dense per-head mask (block rounding included)."""
+    mask = rearrange(pattern.dense_mask(q.shape[0]), "(hkv g) t s -> hkv g t s", hkv=k.shape[1])
+    return reference.masked_attention(q, k, v, mask, scale=scale, return_lse=return_lse)
+
+
+# ------------------------------------------------------------------------------------------ flex
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_block_mask(pattern: VerticalSlashPattern, num_tokens: int):
+    """The FlexAttention ``BlockMask`` of ``pattern`` over ``num_tokens`` (cached on the pattern).
+
+    Built from the tiles directly (no ``N x N`` evaluation): off-diagonal selected tiles are *full*;
+    the diagonal tiles and every other tile holding one of the head's columns are *partial* (the
+    ``mask_mod`` decides per element).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    key = ("flex_block_mask", num_tokens)
+    if key in pattern._cache:
+        return pattern._cache[key]
+    bs = pattern.block_size
+    tiles = pattern.block_map(num_tokens)  # [H, nB, nB]
+    nb = tiles.shape[1]
+    eye = torch.eye(nb, dtype=torch.bool, device=tiles.device)
+    causal = torch.ones(nb, nb, dtype=torch.bool, device=tiles.device).tril()
+    col_blocks = torch.zeros(pattern.num_heads, nb, dtype=torch.bool, device=tiles.device)
+    cols = pattern.vertical
+    rows = torch.arange(pattern.num_heads, device=tiles.device)[:, None].expand_as(cols)
+    col_blocks[rows[cols >= 0], cols[cols >= 0] // bs] = True
+    full = tiles & ~eye
+    partial = ((tiles & eye) | (col_blocks[:, None, :] & causal)) & ~full
+
+    def as_indices(m):  # [H, nB, nB] bool -> counts [1, H, nB], indices [1, H, nB, nB] (selected first)
+        counts = m.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[None].contiguous(), order[None].contiguous()
+
+    kv_num, kv_idx = as_indices(partial)
+    full_num, full_idx = as_indices(full)
+    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
+                                          mask_mod=pattern.mask_mod(num_tokens), seq_lengths=(num_tokens,
+                                                                                              num_tokens))
+    pattern._cache[key] = block_mask
+    return block_mask
+
+
+def flex_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale=None):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    qh, kh, vh = (rearrange(x, "t h d -> 1 h t d") for x in (q, k, v))
+    out = fn(qh, kh, vh, block_mask=flex_block_mask(pattern, q.shape[0]), scale=scale,
+             enable_gqa=q.shape[1] != k.shape[1])
+    return rearrange(out, "1 h t d -> t h d")
+
+
+# ------------------------------------------------------------------------------------------ entry point
+def sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale: float | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """Causal attention of ``q [N, Hq, D]`` over ``k, v [N, Hkv, D]`` restricted to ``pattern``.
+
+    Query ``q`` sees key ``k <= q`` when ``k`` is one of its head's vertical columns or lies in a
+    ``block_size`` tile that one of its head's slashes crosses (see
+    :meth:`VerticalSlashPattern.dense_mask`). ``Hq`` must be a multiple of ``Hkv`` (grouped-query
+    attention); ``scale`` defaults to ``1 / sqrt(head_dim)``. Rows that see no key output zeros.
+    Differentiable in q, k and v (flex: on CUDA only).
+    """
+    check_qkv(q, k, v)
+    check_scale(scale)
+    check_pattern(pattern, q)
+    name = _choose(backend, q.device)
+    if name == "reference":
+        return reference_sparse_attention(q, k, v, pattern, scale=scale)
+    if name == "flex":
+        return flex_sparse_attention(q, k, v, pattern, scale=scale)
+    from ..kernels.block_sparse import triton_sparse_attention
+
+    return triton_sparse_attention(q, k, v, pattern.block_index(q.shape[0]), scale=scale)
