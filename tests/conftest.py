@@ -4,7 +4,9 @@ Test modules import the strategies with ``from tests.conftest import rollout_for
 ``--import-mode=importlib``, which registers this file as ``tests.conftest``).
 """
 
+import contextlib
 import os
+from unittest import mock
 
 import torch
 
@@ -141,3 +143,34 @@ def head_configs(draw):
 def distinct_prefixes(seqs) -> set[tuple[int, ...]]:
     """Every non-empty prefix of every rollout, each once."""
     return {tuple(s[: j + 1]) for s in seqs for j in range(len(s))}
+
+
+# ------------------------------------------------------------------------------ kernel checks
+@contextlib.contextmanager
+def poisoned_allocations(kernel_module, **patches):
+    """Make ``kernel_module``'s ``torch.empty`` / ``torch.empty_like`` return NaN-filled tensors, so any
+    element a kernel forgets to write fails the comparison; ``patches`` overrides other module attributes
+    for the duration (e.g. a test hook)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    def nan_empty_like(x, **kwargs):
+        return empty_like(x, **kwargs).fill_(float("nan"))
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(kernel_module.torch, "empty", nan_empty))
+        stack.enter_context(mock.patch.object(kernel_module.torch, "empty_like", nan_empty_like))
+        for name, value in patches.items():
+            stack.enter_context(mock.patch.object(kernel_module, name, value))
+        yield
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float | None = None) -> float:
+    """``||a - b|| / ||b||`` in float64 on the CPU, the denominator floored at ``floor`` (default
+    sqrt(numel): gradients that are exactly zero, e.g. a query that sees only itself, then compare per
+    element instead of as noise over zero)."""
+    b = b.detach().cpu().double()
+    floor = b.numel() ** 0.5 if floor is None else floor
+    return float((a.detach().cpu().double() - b).norm() / max(float(b.norm()), floor))

@@ -6,8 +6,6 @@ small sequences span many tiles and chunks. Every buffer the kernel module alloc
 NaN, so any element a kernel forgets to write fails the check.
 """
 
-import contextlib
-from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -22,6 +20,7 @@ from treeattn_lab.kernels.block_sparse import (
     triton_sparse_attention,
 )
 
+from tests.conftest import poisoned_allocations, relative_error
 from treeattn_lab import sparse_attention
 from treeattn_lab.ops.sparse import reference_sparse_attention
 from treeattn_lab.patterns.vertical_slash import VerticalSlashPattern
@@ -31,26 +30,7 @@ SMALL = {"bar": 16, "split": 2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
 
 
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Make the kernel module's ``torch.empty`` / ``torch.empty_like`` return NaN-filled tensors."""
-    empty, empty_like = torch.empty, torch.empty_like
 
-    def nan_empty(*args, **kwargs):
-        return empty(*args, **kwargs).fill_(float("nan"))
-
-    def nan_empty_like(x, **kwargs):
-        return empty_like(x, **kwargs).fill_(float("nan"))
-
-    with mock.patch.object(kernel_module.torch, "empty", nan_empty), \
-            mock.patch.object(kernel_module.torch, "empty_like", nan_empty_like):
-        yield
-
-
-def _rel(a, b):
-    """Relative error, the denominator floored at sqrt(numel) (all-zero gradients compare per element)."""
-    b = b.detach().cpu().double()
-    return float((a.detach().cpu().double() - b).norm() / max(float(b.norm()), b.numel() ** 0.5))
 
 
 def random_pattern(gen, n, heads, block_size, n_vertical, n_slash, *, diagonal=True):
@@ -67,7 +47,7 @@ def _check(pattern, n, *, hq, hkv, d, dtype, seed, scale=None, config=SMALL):
     do = torch.randn(n, hq, d, generator=gen).to(dtype)
     inputs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v)]
     index = pattern.to(DEVICE).block_index(n)
-    with poisoned_allocations():
+    with poisoned_allocations(kernel_module):
         out, lse = triton_sparse_attention(*inputs, index, scale=scale, config=config, return_lse=True)
         out.backward(do.to(DEVICE))
     ref_in = [x.double().requires_grad_() for x in (q, k, v)]
@@ -75,13 +55,13 @@ def _check(pattern, n, *, hq, hkv, d, dtype, seed, scale=None, config=SMALL):
     ref.backward(do.double())
     tol = TOL[dtype]
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < tol
+    assert relative_error(out, ref) < tol
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse).cpu(), seen), "rows that see nothing must have lse -inf"
     torch.testing.assert_close(lse.cpu().double()[seen], ref_lse[seen], rtol=10 * tol, atol=10 * tol)
     for got, want, name in zip(inputs, ref_in, "qkv", strict=True):
         assert torch.isfinite(got.grad).all(), f"d{name} has non-finite entries"
-        assert _rel(got.grad, want.grad) < 2 * tol, f"d{name} differs"
+        assert relative_error(got.grad, want.grad) < 2 * tol, f"d{name} differs"
     for x, x0 in zip(inputs, (q, k, v), strict=True):  # inputs untouched
         torch.testing.assert_close(x.detach().cpu(), x0, rtol=0, atol=0)
 
@@ -173,10 +153,10 @@ def test_public_entry_point_backends_agree():
     want = sparse_attention(q.double(), k.double(), v.double(), pattern, backend="reference")
     assert sparse_attention(q, k, v, pattern).dtype == torch.float32  # auto: reference on CPU
     got = sparse_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pattern.to(DEVICE), backend="triton")
-    assert _rel(got, want) < 2e-5
+    assert relative_error(got, want) < 2e-5
     if DEVICE == "cpu":  # FlexAttention: forward only on CPU
         flex = sparse_attention(q, k, v, pattern, backend="flex")
-        assert _rel(flex, want) < 2e-5
+        assert relative_error(flex, want) < 2e-5
 
 
 def test_bad_inputs_are_refused_clearly():

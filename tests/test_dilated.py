@@ -7,9 +7,6 @@ and window tiles all occur. Every buffer the kernel module allocates starts as N
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -17,6 +14,7 @@ from hypothesis import given, settings
 from treeattn_lab.kernels import dilated_attention as kernel_module
 from treeattn_lab.kernels.dilated_attention import triton_dilated_attention
 
+from tests.conftest import poisoned_allocations, relative_error
 from treeattn_lab import dilated_attention, reference
 from treeattn_lab.ops.dilated_decode import DilatedKVCache, dilated_decode_step
 from treeattn_lab.patterns.dilated import DilatedPattern, dilated_mask, dilated_mask_mod
@@ -78,27 +76,7 @@ def test_pattern_rejects_bad_parameters(args, error):
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Make the kernel module's ``torch.empty`` / ``torch.empty_like`` return NaN-filled tensors."""
-    empty, empty_like = torch.empty, torch.empty_like
 
-    def nan_empty(*args, **kwargs):
-        return empty(*args, **kwargs).fill_(float("nan"))
-
-    def nan_empty_like(x, **kwargs):
-        return empty_like(x, **kwargs).fill_(float("nan"))
-
-    with mock.patch.object(kernel_module.torch, "empty", nan_empty), \
-            mock.patch.object(kernel_module.torch, "empty_like", nan_empty_like):
-        yield
-
-
-def _rel(a, b):
-    """Relative error, the denominator floored at sqrt(numel) (gradients that are exactly zero, e.g. a query
-    that sees only itself, compare per element instead of as noise over zero)."""
-    b = b.detach().cpu()
-    return float((a.detach().cpu().double() - b).norm() / max(float(b.norm()), b.numel() ** 0.5))
 
 
 def _check(shape, pattern, *, dtype, seed, tiles, scale=None):
@@ -108,7 +86,7 @@ def _check(shape, pattern, *, dtype, seed, tiles, scale=None):
     lead = (B,) if B else ()
     q, k, v, do = (torch.randn(*lead, N, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv, hq))
     inputs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v)]
-    with poisoned_allocations():
+    with poisoned_allocations(kernel_module):
         out, lse = triton_dilated_attention(*inputs, dilation=D, window=W, initial=P, scale=scale,
                                             return_lse=True, **tiles)
         out.backward(do.to(DEVICE))
@@ -121,11 +99,11 @@ def _check(shape, pattern, *, dtype, seed, tiles, scale=None):
     ref.backward(do.double())
     tol = TOL[dtype]
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < tol
+    assert relative_error(out, ref) < tol
     torch.testing.assert_close(lse.cpu().double(), ref_lse.detach(), atol=1e-3, rtol=1e-3)
     for got, want, name in zip(inputs, ref_in, "qkv", strict=True):
         assert torch.isfinite(got.grad).all(), f"d{name} has non-finite entries"
-        assert _rel(got.grad, want.grad) < 2 * tol, f"d{name} differs"
+        assert relative_error(got.grad, want.grad) < 2 * tol, f"d{name} differs"
     for x, x0 in zip(inputs, (q, k, v), strict=True):
         torch.testing.assert_close(x.detach().cpu(), x0, rtol=0, atol=0)
 
@@ -171,7 +149,7 @@ def test_dilation_one_equals_causal_attention():
         dev = DEVICE if backend == "triton" else "cpu"
         got = dilated_attention(q.to(dev), k.to(dev), v.to(dev), dilation=1, window=3, initial=2,
                                 backend=backend)
-        assert _rel(got, want) < 1e-5
+        assert relative_error(got, want) < 1e-5
 
 
 # ---------------------------------------------------------------------------------------------- the op
@@ -184,7 +162,7 @@ def test_flex_backend_matches_reference():
     q, k, v = _qkv(n=70, seed=3)
     want = dilated_attention(q, k, v, dilation=8, window=4, initial=2, backend="reference")
     got = dilated_attention(q, k, v, dilation=8, window=4, initial=2, backend="flex")
-    assert _rel(got, want) < 1e-5
+    assert relative_error(got, want) < 1e-5
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,6 @@ tiles, so full, partial and skipped tiles all occur. Every buffer the kernels al
 gradients) starts filled with NaN, so any element a kernel forgets to write fails the check.
 """
 
-import contextlib
-from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -16,7 +14,7 @@ from hypothesis import given, settings
 from treeattn_lab.kernels import tree_attention as kernel_module
 from treeattn_lab.kernels.tree_attention import tile_schedule, triton_tree_attention
 
-from tests.conftest import rollout_forests
+from tests.conftest import poisoned_allocations, relative_error, rollout_forests
 from treeattn_lab import RolloutTrie, reference, tree_attention
 
 SMALL_TILES = [
@@ -27,27 +25,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
 
 
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Make the kernel module's ``torch.empty`` / ``torch.empty_like`` return NaN-filled tensors."""
-    empty, empty_like = torch.empty, torch.empty_like
 
-    def nan_empty(*args, **kwargs):
-        return empty(*args, **kwargs).fill_(float("nan"))
-
-    def nan_empty_like(x, **kwargs):
-        return empty_like(x, **kwargs).fill_(float("nan"))
-
-    with mock.patch.object(kernel_module.torch, "empty", nan_empty), \
-            mock.patch.object(kernel_module.torch, "empty_like", nan_empty_like):
-        yield
-
-
-def _rel(a, b):
-    """Relative error, with the denominator floored at sqrt(numel): gradients that are exactly zero
-    (a token that sees only itself) compare per element instead of as rounding noise over zero."""
-    b = b.detach()
-    return float((a.detach().cpu().double() - b.cpu()).norm() / max(float(b.norm()), b.numel() ** 0.5))
 
 
 def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None, split_groups=None):
@@ -56,7 +34,7 @@ def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None, split_groups=Non
     q, k, v = (torch.randn(T, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
     do = torch.randn(T, hq, d, generator=gen).to(dtype)
     inputs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v)]
-    with poisoned_allocations():
+    with poisoned_allocations(kernel_module):
         out = triton_tree_attention(*inputs, pack.to(DEVICE), scale=scale, split_groups=split_groups, **tiles)
         out.backward(do.to(DEVICE))
     ref_in = [x.double().requires_grad_() for x in (q, k, v)]
@@ -64,10 +42,10 @@ def _check(pack, *, hq, hkv, d, dtype, seed, tiles, scale=None, split_groups=Non
     ref.backward(do.double())
     tol = TOL[dtype]
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < tol
+    assert relative_error(out, ref) < tol
     for got, want, name in zip(inputs, ref_in, "qkv", strict=True):
         assert torch.isfinite(got.grad).all(), f"d{name} has non-finite entries"
-        assert _rel(got.grad, want.grad) < 2 * tol, f"d{name} differs"
+        assert relative_error(got.grad, want.grad) < 2 * tol, f"d{name} differs"
     # inputs untouched
     for x, x0 in zip(inputs, (q, k, v), strict=True):
         torch.testing.assert_close(x.detach().cpu(), x0, rtol=0, atol=0)
@@ -109,7 +87,7 @@ def test_default_tiles_head_dim_64_through_public_entry_point():
     q, k, v = (torch.randn(pack.num_tokens, 2, 64, generator=gen) for _ in range(3))
     out = tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pack.to(DEVICE), backend="triton").cpu()
     want = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end)
-    assert _rel(out, want) < 2e-5
+    assert relative_error(out, want) < 2e-5
 
 
 def test_return_lse_matches_reference():
