@@ -1,0 +1,126 @@
+"""Data-parallel tree_backward on gloo ranks (fresh processes, with a timeout): the all-reduced gradients
+equal single-process tree_backward on the whole trie (float64 TinyLM), and a rank that disagrees on the
+data, fails, or hangs makes every rank raise a clear error instead of hanging."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from treeattn_lab import RolloutTrie
+from treeattn_lab.distributed.train import _tiny_model, check_cases, spawn
+from treeattn_lab.engine import tree_backward
+
+VOCAB = 50
+
+
+def rollouts(seed: int, prompts: int = 3, samples: int = 4) -> list[list[int]]:
+    """GRPO-shaped rollouts that fork again, plus a duplicate and a rollout that is a prefix of another."""
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 8))]
+        for _ in range(samples):
+            seqs.append(prompt + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))])
+    seqs.append(list(seqs[1]))
+    seqs.append(seqs[2][: len(seqs[2]) - 1])
+    rng.shuffle(seqs)
+    return seqs
+
+
+def single_process(seqs, steps: int = 1, seed: int = 0):
+    """The ground truth: one process, the whole trie, the same model and token weights as check_step."""
+    model = _tiny_model(VOCAB, torch.float64, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = [torch.randn(len(s), generator=gen, dtype=torch.float64) for s in seqs]
+    result = None
+    for _ in range(steps):
+        result = tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode="flat")
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return grads, result.losses
+
+
+def by_case(results) -> list[tuple[dict, ...]]:
+    """``spawn`` outcomes of ``check_cases`` -> each case's outcome per rank."""
+    assert all(r["ok"] for r in results), results
+    return list(zip(*(r["value"] for r in results), strict=True))
+
+
+def assert_equal_to_single_process(outcomes, case, world):
+    grads, losses = single_process(case["seqs"], case.get("steps", 1))
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["ok"], f"rank {rank}: {outcome}"
+        got = outcome["value"]
+        assert sorted(i for s in got["sequences"] for i in s) == list(range(len(case["seqs"])))
+        assert len(got["sequences"]) == world and len(got["timeline"]) == world
+        torch.testing.assert_close(got["losses"], losses, rtol=1e-12, atol=1e-12)
+        for name, want in grads.items():
+            torch.testing.assert_close(got["grads"][name], want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+SEQS = rollouts(0)
+THREE_RANK_CASES = [
+    # gradients: two steps accumulate, like tree_backward
+    dict(seqs=SEQS, partitioner="subtree_search", mode="packed", token_budget=12, steps=2),
+    dict(seqs=SEQS, partitioner="contiguous_dfs", mode="auto", balance_by="tokens"),
+    dict(seqs=[[1, 2, 3], [1, 2, 4, 5]], partitioner="greedy_tokens", mode="flat"),  # one rank gets nothing
+    # faults: every rank raises, and the group stays usable afterwards
+    dict(seqs=SEQS, corrupt_rank=1),
+    dict(seqs=SEQS, fail_rank=2, mode="dfs", block_tokens=3),
+    dict(seqs=SEQS, short_rank=0),
+    dict(seqs=SEQS, partitioner="lpt_split", mode="dfs", block_tokens=3),
+]
+
+
+@pytest.mark.xdist_group("distributed_train")
+def test_three_gloo_ranks_equal_one_process_and_fail_together():
+    started = time.monotonic()
+    results = spawn(3, check_cases, {"cases": THREE_RANK_CASES}, timeout_s=150)
+    assert time.monotonic() - started < 150
+    per_case = by_case(results)  # per_case[case][rank]
+    for i in (0, 1, 2, 6):
+        assert_equal_to_single_process(per_case[i], THREE_RANK_CASES[i], 3)
+    assert sum(1 for s in per_case[2][0]["value"]["sequences"] if not s) == 1
+    for rank, outcome in enumerate(per_case[3]):  # rank 1 changed one token weight
+        assert not outcome["ok"] and outcome["error"] == "RankMismatchError", outcome
+        assert outcome["message"].startswith(f"rank {rank}: the ranks disagree on the rollouts")
+        assert "ranks [0, 2] hold" in outcome["message"] and "ranks [1] hold" in outcome["message"]
+    for rank, outcome in enumerate(per_case[4]):  # rank 2's model raised in the middle of its share
+        assert not outcome["ok"] and outcome["error"] == "RankFailureError", outcome
+        assert f"rank {rank}: the step failed on rank(s) [2]" in outcome["message"]
+        assert "injected failure in the model's forward" in outcome["message"]
+    for rank, outcome in enumerate(per_case[5]):  # rank 0 passed one token weight too few
+        assert not outcome["ok"] and outcome["error"] == "RankMismatchError", outcome
+        assert f"rank {rank}: rank(s) [0] rejected their input" in outcome["message"]
+        assert "got 13 token_weights for 14 sequences" in outcome["message"]
+
+
+@pytest.mark.xdist_group("distributed_train")
+def test_two_gloo_ranks_equal_one_process_and_a_hung_rank_is_named():
+    cases = [
+        dict(seqs=rollouts(1), mode="auto", token_budget=20),
+        dict(seqs=SEQS, hang_rank=1, hang_s=6.0, barrier_timeout_s=1.5),
+    ]  # last: it breaks the group
+    started = time.monotonic()
+    results = spawn(2, check_cases, {"cases": cases}, timeout_s=120, collective_timeout_s=20)
+    assert time.monotonic() - started < 120
+    per_case = by_case(results)
+    assert_equal_to_single_process(per_case[0], cases[0], 2)
+    timeline = per_case[0][0]["value"]["timeline"]
+    assert {"compute_s", "wait_s", "reduce_s", "predicted"} <= set(timeline[0])
+    assert min(t["wait_s"] for t in timeline) == 0.0
+    hung = per_case[1]
+    assert all(not o["ok"] and o["error"] == "RankFailureError" for o in hung), hung
+    assert "Ranks 1 failed to pass monitoredBarrier" in hung[0]["message"]
+    assert "not every rank reached the barrier" in hung[1]["message"]
+
+
+@pytest.mark.xdist_group("distributed_train")
+def test_spawn_kills_ranks_that_run_past_the_timeout():
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        spawn(1, check_cases, {"cases": [dict(seqs=SEQS, hang_rank=0, hang_s=60.0)]}, timeout_s=5)
+    assert time.monotonic() - started < 30

@@ -1,0 +1,219 @@
+"""Simulated balancing: every partitioner over K = 2..64 ranks, on the bundled sets and on larger tries.
+
+No model runs here: each partition is costed (tokens by default, see :mod:`.balance`) and reported as
+rows for tables and plots: makespan, imbalance (max / mean rank cost), replicated tokens, the lower bound
+max(total / K, costliest rollout), and the ratios to the anchor (``contiguous_dfs``) at the same K.
+
+The larger tries:
+
+- ``<set>_x<S>`` (e.g. ``grpo_math_x8``): the union of the bundled generator's rollouts for seeds 0..S-1,
+  S times the rollouts with the same statistics;
+- ``random_forest``: 64 prompts, each a random tree of forks (1-4 ways, 1-4 levels deep) with log-normal
+  segments, 1000-2000 rollouts of fresh token ids (shaped like tree-search and agentic RL, larger).
+
+Command line: ``python -m treeattn_lab bench balance`` (or ``python -m treeattn_lab.distributed.balance_sim``)
+prints a table per set and writes ``bench/results/balance__*.json``; ``--quick`` runs the bundled sets at
+K = 2, 4, 8, 16 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+from ..datasets import DATASETS, generate, load_trie
+from ..trie import RolloutTrie
+from .balance import ANCHOR, BEST, PARTITIONERS, TokenCost, balance
+
+KS = (2, 4, 8, 16, 32, 64)
+LARGE_SETS = ("grpo_math_x8", "tree_search_x8", "agentic_x4", "random_forest")
+TARGET_K = 8
+TARGET_IMBALANCE = 1.05
+TARGET_SETS_VS_ANCHOR = ("agentic", "tree_search")  # best's excess imbalance <= half the anchor's here
+
+
+def random_forest_trie(
+    seed: int = 0, prompts: int = 64, max_width: int = 4, max_levels: int = 4
+) -> RolloutTrie:
+    """``prompts`` random fork trees: a prompt, then at each level every branch forks 1..``max_width`` ways
+    for 1..``max_levels`` levels; segments log-normal (median 200 tokens). Token ids are fresh integers, so
+    rollouts share exactly the prefixes the tree gives them."""
+    rng = random.Random(seed)
+    next_id = 0
+
+    def segment(median: float) -> list[int]:
+        nonlocal next_id
+        n = max(8, round(median * math.exp(0.6 * rng.gauss(0.0, 1.0))))
+        next_id += n
+        return list(range(next_id - n, next_id))
+
+    seqs: list[list[int]] = []
+    for _ in range(prompts):
+        levels = rng.randint(1, max_levels)
+        frontier = [segment(400)]
+        for _ in range(levels):
+            frontier = [path + segment(200) for path in frontier for _ in range(rng.randint(1, max_width))]
+        seqs.extend(frontier)
+    return RolloutTrie.from_sequences(seqs)
+
+
+def load_set(name: str) -> RolloutTrie:
+    """A bundled set, ``<bundled set>_x<S>`` (seeds 0..S-1 together) or ``random_forest``."""
+    if name in DATASETS:
+        return load_trie(name)
+    if name == "random_forest":
+        return random_forest_trie()
+    match = re.fullmatch(r"(.+)_x(\d+)", name)
+    if match and match.group(1) in DATASETS and int(match.group(2)) >= 1:
+        base, copies = match.group(1), int(match.group(2))
+        return RolloutTrie.from_sequences([s for seed in range(copies) for s in generate(base, seed)])
+    raise ValueError(
+        f"unknown set {name!r}: use one of {DATASETS}, '<set>_x<copies>' (e.g. 'grpo_math_x8') "
+        "or 'random_forest'"
+    )
+
+
+def simulate(
+    sets=DATASETS,
+    ks=KS,
+    partitioners=tuple(PARTITIONERS),
+    *,
+    cost=None,
+    token_budget: int | None = None,
+    exact: bool | None = None,
+    progress: bool = False,
+) -> list[dict]:
+    """One row per (set, K, partitioner): :meth:`BalanceReport.row` plus the set's size and the ratios to
+    the anchor at the same K. ``sets`` holds names (see :func:`load_set`) or ``(name, trie)`` pairs.
+    ``exact=None`` costs the ranks' own micro-batches only where it differs from the surrogate (a token
+    budget, or a cost other than tokens)."""
+    cost = TokenCost() if cost is None else cost
+    if exact is None:
+        exact = token_budget is not None or not isinstance(cost, TokenCost)
+    rows = []
+    for item in sets:
+        name, trie = item if isinstance(item, tuple) else (item, load_set(item))
+        stats = trie.stats()
+        for k in ks:
+            started = time.perf_counter()
+            group = []
+            for p in partitioners:
+                report = balance(trie, k, p, cost=cost, token_budget=token_budget, exact=exact)
+                group.append(
+                    {
+                        "set": name,
+                        "num_sequences": stats["num_sequences"],
+                        "tree_tokens": stats["tree_tokens"],
+                        **report.row(),
+                    }
+                )
+            anchor = next((r for r in group if r["partitioner"] == ANCHOR), None)
+            for r in group:
+                r["makespan_vs_anchor"] = r["makespan"] / anchor["makespan"] if anchor else None
+                excess = anchor["imbalance"] - 1 if anchor else None
+                r["excess_vs_anchor"] = (r["imbalance"] - 1) / excess if excess else None
+            rows += group
+            if progress:
+                print(f"{name} K={k}: {time.perf_counter() - started:.1f} s", flush=True)
+    return rows
+
+
+def targets(rows: list[dict], best: str = BEST) -> list[dict]:
+    """The issue's targets at K = 8 for ``best``: imbalance <= 1.05 on every bundled set, and at most half
+    the anchor's excess imbalance (imbalance - 1) on the agentic and tree-search sets."""
+    out = []
+    at = {(r["set"], r["partitioner"]): r for r in rows if r["num_ranks"] == TARGET_K}
+    for name in DATASETS:
+        r, anchor = at.get((name, best)), at.get((name, ANCHOR))
+        if r is None:
+            continue
+        out.append(
+            {
+                "target": f"{name}: imbalance <= {TARGET_IMBALANCE} at K={TARGET_K}",
+                "value": r["imbalance"],
+                "goal": TARGET_IMBALANCE,
+                "met": r["imbalance"] <= TARGET_IMBALANCE,
+            }
+        )
+        if name in TARGET_SETS_VS_ANCHOR and anchor is not None:
+            goal = 1 + (anchor["imbalance"] - 1) / 2
+            out.append(
+                {
+                    "target": f"{name}: imbalance - 1 <= half the anchor's ({anchor['imbalance']:.4f})",
+                    "value": r["imbalance"],
+                    "goal": goal,
+                    "met": r["imbalance"] <= goal,
+                }
+            )
+        out.append(
+            {
+                "target": f"{name}: makespan <= the anchor's",
+                "value": r["makespan"],
+                "goal": anchor["makespan"] if anchor else None,
+                "met": anchor is not None and r["makespan"] <= anchor["makespan"],
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..bench.harness import environment, print_table, write_results
+
+    parser = argparse.ArgumentParser(
+        prog="python -m treeattn_lab bench balance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--sets", default=",".join(DATASETS + LARGE_SETS), help="comma list (see load_set)")
+    parser.add_argument("--ks", default=",".join(map(str, KS)), help="comma list of rank counts")
+    parser.add_argument("--partitioners", default=",".join(PARTITIONERS))
+    parser.add_argument("--token-budget", type=int, default=None, help="tree tokens per micro-batch")
+    parser.add_argument("--quick", action="store_true", help="bundled sets, K = 2, 4, 8, 16")
+    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    args = parser.parse_args(argv)
+    sets = list(DATASETS) if args.quick else args.sets.split(",")
+    ks = (2, 4, 8, 16) if args.quick else tuple(int(k) for k in args.ks.split(","))
+    partitioners = args.partitioners.split(",")
+    unknown = [p for p in partitioners if p not in PARTITIONERS]
+    if unknown:
+        parser.error(f"unknown partitioners {unknown}; choose from {sorted(PARTITIONERS)}")
+    rows = simulate(sets, ks, partitioners, token_budget=args.token_budget, progress=True)
+    columns = [
+        ("num_ranks", "K"),
+        ("partitioner", "partitioner"),
+        ("makespan", "makespan"),
+        ("imbalance", "imbalance"),
+        ("makespan_over_bound", "x bound"),
+        ("makespan_vs_anchor", "x anchor"),
+        ("replicated_fraction", "replicated"),
+        ("partition_s", "s"),
+    ]
+    for name in sets:
+        print_table(
+            f"{name}: makespan in tokens, imbalance = max / mean",
+            columns,
+            [r for r in rows if r["set"] == name],
+        )
+    checks = targets(rows)
+    if checks:
+        print_table(
+            "targets", [("target", "target"), ("value", "value"), ("goal", "goal"), ("met", "met")], checks
+        )
+    env = environment()
+    path = write_results(
+        "balance",
+        rows,
+        env,
+        directory=Path(args.out) if args.out else None,
+        extra={"token_budget": args.token_budget, "cost": "tokens", "targets": checks},
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
