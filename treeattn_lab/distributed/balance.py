@@ -71,6 +71,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import check_int
 from ..engine.cost_model import MODES, CostModel, MicroBatchShape
 from ..engine.microbatch import MicroBatch, dfs_sequence_order, plan_micro_batches
 from ..trie import RolloutTrie
@@ -111,7 +112,7 @@ class EngineCost:
             raise TypeError(f"cost_model must be a CostModel, got {type(self.cost_model).__name__}")
         if self.mode not in ("auto",) + MODES:
             raise ValueError(f"mode must be one of {('auto',) + MODES}, got {self.mode!r}")
-        _check_positive_int("block_tokens", self.block_tokens)
+        check_int("block_tokens", self.block_tokens)
 
     def mode_and_seconds(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[str, float]:
         """The mode the engine runs ``micro_batch`` in, and its predicted seconds."""
@@ -690,15 +691,6 @@ class BalanceReport:
 
 
 # ============================================================================================ entry point
-def _check_positive_int(name: str, value, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-
-
 def _check_cost(cost) -> None:
     if not (hasattr(cost, "surrogate") and hasattr(cost, "micro_batch_cost") and hasattr(cost, "unit")):
         raise TypeError(f"cost must be a TokenCost or an EngineCost, got {type(cost).__name__}")
@@ -719,8 +711,8 @@ def _one_thread():
 def _partition(trie, num_ranks, partitioner, cost, token_budget) -> tuple[CostTree, list[list[int]]]:
     if not isinstance(trie, RolloutTrie):
         raise TypeError(f"trie must be a RolloutTrie, got {type(trie).__name__}")
-    _check_positive_int("num_ranks", num_ranks)
-    _check_positive_int("token_budget", token_budget, allow_none=True)
+    check_int("num_ranks", num_ranks)
+    check_int("token_budget", token_budget, allow_none=True)
     if not isinstance(partitioner, str) or partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; choose one of {sorted(PARTITIONERS)}")
     _check_cost(cost)

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import CostModel, tree_backward
-from ..engine.tree_backward import TreeBackwardReport
+from ..engine.tree_backward import TreeBackwardReport, check_token_weights
 from ..reference import TinyLM, TinyLMConfig
 from ..trie import RolloutTrie
 from .balance import ANCHOR, BEST, PARTITIONERS, BalanceReport, EngineCost, TokenCost, balance
@@ -147,19 +147,6 @@ def _digest(trie: RolloutTrie, weights: list[torch.Tensor], settings: dict) -> s
     return h.hexdigest()
 
 
-def _check_weights(trie: RolloutTrie, token_weights) -> list[torch.Tensor]:
-    if token_weights is None:
-        return [torch.ones(n, dtype=torch.float64) for n in trie.seq_lengths]
-    if isinstance(token_weights, torch.Tensor) or not hasattr(token_weights, "__len__"):
-        raise TypeError("token_weights must be a list of 1-D float tensors, one per sequence (or None)")
-    if len(token_weights) != trie.num_sequences:
-        raise ValueError(f"got {len(token_weights)} token_weights for {trie.num_sequences} sequences")
-    for i, w in enumerate(token_weights):
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"token_weights[{i}] must be a torch.Tensor, got {type(w).__name__}")
-    return list(token_weights)  # tree_backward checks shapes and values on each share
-
-
 def plan_shares(
     trie: RolloutTrie,
     token_weights=None,
@@ -200,7 +187,7 @@ def plan_shares(
             raise ValueError(f"balance_by must be 'engine' or 'tokens', got {balance_by!r}")
         if partitioner not in PARTITIONERS:
             raise ValueError(f"unknown partitioner {partitioner!r}; choose one of {sorted(PARTITIONERS)}")
-        weights = _check_weights(trie, token_weights)
+        weights = check_token_weights(trie, token_weights)
         settings = {k: (v.to_dict() if isinstance(v, CostModel) else v) for k, v in engine.items()}
         settings.update(partitioner=partitioner, balance_by=balance_by, world=world)
         digest = _digest(trie, weights, settings)

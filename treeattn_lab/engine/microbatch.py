@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..checks import check_int
 from ..trie import RolloutTrie
 
 
@@ -52,10 +53,7 @@ def plan_micro_batches(trie: RolloutTrie, token_budget: int | None = None) -> li
     """Micro-batches of at most ``token_budget`` tree tokens each (``None``: the whole trie as one)."""
     if not isinstance(trie, RolloutTrie):
         raise TypeError(f"trie must be a RolloutTrie, got {type(trie).__name__}")
-    if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)):
-        raise TypeError(f"token_budget must be an int or None, got {type(token_budget).__name__}")
-    if token_budget is not None and token_budget < 1:
-        raise ValueError(f"token_budget must be at least 1, got {token_budget}")
+    check_int("token_budget", token_budget, allow_none=True)
     order = dfs_sequence_order(trie)
     seqs = {i: trie.sequence(i) for i in order}
     groups: list[tuple[list[int], int]] = []  # (sequence ids, carried tokens)

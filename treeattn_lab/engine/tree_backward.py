@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import check_int
 from ..trie import RolloutTrie
 from .adapters import adapt
 from .cost_model import CostModel, MicroBatchShape
@@ -55,7 +56,8 @@ class TreeBackwardResult:
         return float(self.losses.sum())
 
 
-def _check_weights(trie: RolloutTrie, token_weights) -> list[torch.Tensor]:
+def check_token_weights(trie: RolloutTrie, token_weights) -> list[torch.Tensor]:
+    """Per-rollout 1-D float weights, each as long as its rollout (None: all ones), detached."""
     if token_weights is None:
         return [torch.ones(n, dtype=torch.float64) for n in trie.seq_lengths]
     if isinstance(token_weights, torch.Tensor) or not hasattr(token_weights, "__len__"):
@@ -74,15 +76,6 @@ def _check_weights(trie: RolloutTrie, token_weights) -> list[torch.Tensor]:
             raise ValueError(f"token_weights[{i}] holds NaN or infinite values")
         out.append(w.detach())
     return out
-
-
-def _check_int(name: str, value, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 def _run_micro_batch(
@@ -148,10 +141,10 @@ def tree_backward(
         raise TypeError(f"trie must be a RolloutTrie, got {type(trie).__name__}")
     if not isinstance(mode, str) or mode not in ("auto",) + MODES:
         raise ValueError(f"mode must be one of {('auto',) + MODES}, got {mode!r}")
-    _check_int("block_tokens", block_tokens)
-    _check_int("token_budget", token_budget, allow_none=True)
+    check_int("block_tokens", block_tokens)
+    check_int("token_budget", token_budget, allow_none=True)
     adapter = adapt(model)
-    weights = _check_weights(trie, token_weights)
+    weights = check_token_weights(trie, token_weights)
     if max(max(s) if s else 0 for s in (n.tokens for n in trie.nodes)) >= adapter.vocab_size:
         raise ValueError(f"the trie holds token ids >= the model's vocabulary size {adapter.vocab_size}")
     cost_model = cost_model or CostModel()

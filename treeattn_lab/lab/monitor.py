@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
+
 MIB = 2**20
 DISPLAYS = ("auto", "widget", "text", "none")
 GPU_COLORS = ("#4C78A8", "#E45756", "#54A24B", "#F58518", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D")
@@ -131,14 +133,6 @@ def _check_number(name: str, value, lo: float, hi: float) -> float:
     return value
 
 
-def _check_int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name} must be at least {lo}, got {value}")
-    return int(value)
-
-
 def _check_devices(devices) -> list[int]:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if devices == "auto":
@@ -198,8 +192,8 @@ class LiveMonitor:
             raise TypeError(f"reset_peak must be a bool, got {type(reset_peak).__name__}")
         self.title = title
         self.hz = _check_number("hz", hz, 1.0, 50.0)
-        self.max_samples = _check_int("max_samples", max_samples, 2)
-        self.max_steps = _check_int("max_steps", max_steps, 1)
+        self.max_samples = check_int("max_samples", max_samples, minimum=2)
+        self.max_steps = check_int("max_steps", max_steps, minimum=1)
         self.refresh_s = _check_number("refresh_s", refresh_s, 0.1, 3600.0)
         self.display = display
         self.devices = _check_devices(devices)

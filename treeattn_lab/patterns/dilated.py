@@ -26,13 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+from ..checks import check_int
 
 
 @dataclass(frozen=True)
@@ -44,9 +38,9 @@ class DilatedPattern:
     initial: int = 0
 
     def __post_init__(self):
-        _check_int("dilation", self.dilation, 1)
-        _check_int("window", self.window, 0)
-        _check_int("initial", self.initial, 0)
+        check_int("dilation", self.dilation, minimum=1)
+        check_int("window", self.window, minimum=0)
+        check_int("initial", self.initial, minimum=0)
 
     # ------------------------------------------------------------------ the rule, elementwise
     def visible(self, t, p):
@@ -57,7 +51,7 @@ class DilatedPattern:
 
     def dense_mask(self, num_tokens: int, device=None) -> torch.Tensor:
         """``[N, N]`` bool mask, ``mask[t, p]`` = query t attends key p (for drawings and references)."""
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, minimum=0)
         pos = torch.arange(num_tokens, device=device)
         return self.visible(pos[:, None], pos[None, :])
 

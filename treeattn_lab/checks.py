@@ -1,0 +1,20 @@
+"""Argument checks shared by every layer: a clear TypeError or ValueError that names the argument.
+
+This module sits at the bottom of the package (it imports nothing from it), so patterns, ops, the engine,
+the distributed layer and the lab helpers can all use it.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+
+def check_int(name: str, value, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+    """``value`` as an int >= ``minimum`` (None passes when ``allow_none``); bools are refused."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return int(value)
