@@ -128,3 +128,16 @@ def test_reference_backward_does_not_mutate_inputs():
     tree_attention(q, k, v, pack, backend="reference").square().sum().backward()
     for x, y in zip((q, k, v), before, strict=True):
         assert torch.equal(x.detach(), y) and x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_every_op_chooses_its_backend_in_one_place():
+    from treeattn_lab.ops.backends import KERNELS, available_backends, choose_backend
+
+    for op in KERNELS:
+        avail = available_backends("cpu", op)
+        assert avail[0] == "reference" and ("flex" in avail) == (op != "gated_scan")
+        assert choose_backend("auto", torch.device("cpu"), op) == "reference"
+        with pytest.raises(ValueError, match="unknown backend"):
+            choose_backend("fast", torch.device("cpu"), op)
+    with pytest.raises(ValueError, match="unknown op"):
+        available_backends("cpu", "attention")

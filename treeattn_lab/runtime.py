@@ -76,9 +76,10 @@ def environment_report() -> dict:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             report["gpus"].append({"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1)})
-    from .ops import available_backends
+    from .ops.backends import KERNELS, available_backends
 
-    report["tree_attention_backends"] = available_backends("cuda" if report["cuda"] else "cpu")
+    for op in KERNELS:
+        report[f"{op}_backends"] = available_backends("cuda" if report["cuda"] else "cpu", op)
     return report
 
 

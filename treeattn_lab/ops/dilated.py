@@ -21,7 +21,7 @@ import torch
 from .. import reference
 from ..patterns.dilated import DilatedPattern
 from ..reference.scan import gated_scan as reference_gated_scan
-from .tree import choose_backend
+from .backends import choose_backend
 from .validation import check_qkv, check_scale
 
 
@@ -92,7 +92,7 @@ def dilated_attention(
     pattern = DilatedPattern(dilation, window, initial)
     _check_batched_qkv(q, k, v)
     check_scale(scale)
-    name = choose_backend(backend, q.device)
+    name = choose_backend(backend, q.device, "dilated_attention")
     if name == "reference":
         return reference_dilated_attention(q, k, v, pattern, scale=scale)
     if name == "flex":
@@ -125,9 +125,9 @@ def gated_scan(x: torch.Tensor, g: torch.Tensor, *, dim: int = 0, backend: str =
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim {dim} is out of range for a {x.dim()}-D tensor")
-    name = choose_backend(backend, x.device)
-    if name == "flex":
+    if backend == "flex":
         raise ValueError("gated_scan has no 'flex' backend; choose 'reference', 'triton' or 'auto'")
+    name = choose_backend(backend, x.device, "gated_scan")
     if name == "reference" or x.numel() == 0:
         return reference_gated_scan(x, g, dim=dim)
     from ..kernels.scan import triton_gated_scan

@@ -17,40 +17,19 @@ cached on the pattern: every layer reusing a pattern pays for them once.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 from einops import rearrange
 
 from .. import reference
 from ..patterns.vertical_slash import VerticalSlashPattern
+from .backends import available_backends, choose_backend
 from .validation import check_qkv, check_scale
-
-BACKENDS = ("reference", "flex", "triton")
 
 
 def sparse_backends(device="cpu") -> list[str]:
     """Backends that can run sparse attention here (forward at least)."""
-    out = ["reference"]
-    if importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
-        out.append("flex")
-    if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
-            "treeattn_lab.kernels.block_sparse") is not None:
-        out.append("triton")
-    return out
-
-
-def _choose(backend, device: torch.device) -> str:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    avail = sparse_backends(device)
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and "triton" in avail else "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-    if backend not in avail:
-        raise ValueError(f"backend {backend!r} is not available on {device} here")
-    return backend
+    return available_backends(device, "sparse_attention")
 
 
 def check_pattern(pattern, q) -> None:
@@ -142,7 +121,7 @@ def sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale: float | N
     check_qkv(q, k, v)
     check_scale(scale)
     check_pattern(pattern, q)
-    name = _choose(backend, q.device)
+    name = choose_backend(backend, q.device, "sparse_attention")
     if name == "reference":
         return reference_sparse_attention(q, k, v, pattern, scale=scale)
     if name == "flex":

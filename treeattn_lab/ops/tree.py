@@ -10,53 +10,13 @@ Backends:
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from .. import reference
+from .backends import available_backends, choose_backend
 from .validation import check_qkv, check_scale
 
-BACKENDS = ("reference", "flex", "triton")
-
-
-def _flex_available() -> bool:
-    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-
-
-def _triton_available() -> bool:
-    return (
-        importlib.util.find_spec("triton") is not None
-        and importlib.util.find_spec("treeattn_lab.kernels.tree_attention") is not None
-    )
-
-
-def available_backends(device="cpu") -> list[str]:
-    """Backends that can run tree attention on ``device`` (forward at least)."""
-    out = ["reference"]
-    if _flex_available():
-        out.append("flex")
-    if _triton_available():
-        out.append("triton")
-    return out
-
-
-def choose_backend(backend: str, device: torch.device) -> str:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    if backend == "auto":
-        avail = available_backends(device)
-        if device.type == "cuda":
-            for name in ("triton", "flex"):
-                if name in avail:
-                    return name
-        return "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
-    if backend not in available_backends(device):
-        raise ValueError(f"backend {backend!r} is not available on {device} here")
-    return backend
-
+__all__ = ["available_backends", "choose_backend", "tree_attention"]
 
 def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention of packed ``q [T, Hq, D]`` over ``k, v [T, Hkv, D]`` under the tree rule of ``pack``.

@@ -1,0 +1,53 @@
+"""Which backend runs an op: the one place that decides, for every attention op and the scan.
+
+Every op has the same three backends: ``"reference"`` (the einops definition, any device), ``"flex"``
+(PyTorch FlexAttention with the op's ``mask_mod``) and ``"triton"`` (the op's kernel in ``kernels/``).
+``"auto"`` picks the fastest available: triton on CUDA, else flex on CUDA, else the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+BACKENDS = ("reference", "flex", "triton")
+KERNELS = {  # op -> its kernel module in kernels/ (installed as treeattn_lab.kernels)
+    "tree_attention": "tree_attention",
+    "sparse_attention": "block_sparse",
+    "dilated_attention": "dilated_attention",
+    "gated_scan": "scan",
+}
+NO_FLEX = ("gated_scan",)  # a recurrence, not attention
+
+
+def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
+    """Backends that can run ``op`` on ``device`` (forward at least)."""
+    if op not in KERNELS:
+        raise ValueError(f"unknown op {op!r}; choose one of {tuple(KERNELS)}")
+    out = ["reference"]
+    if op not in NO_FLEX and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
+        out.append("flex")
+    kernel = f"treeattn_lab.kernels.{KERNELS[op]}"
+    if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(kernel) is not None:
+        out.append("triton")
+    return out
+
+
+def choose_backend(backend: str, device: torch.device, op: str = "tree_attention") -> str:
+    """The backend that runs ``op`` for the caller's ``backend`` (``"auto"`` or a name); a clear error
+    when the name is unknown or unavailable here."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    avail = available_backends(device, op)
+    if backend == "auto":
+        if torch.device(device).type == "cuda":
+            for name in ("triton", "flex"):
+                if name in avail:
+                    return name
+        return "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+    if backend not in avail:
+        raise ValueError(f"backend {backend!r} of {op} is not available on {device} here")
+    return backend
