@@ -29,6 +29,9 @@ from treeattn_lab.engine.cost_model import nnls
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
 VOCAB = 50
+# transformers computes RMSNorm and RoPE in float32 even for float64 weights: its float64 models agree with
+# themselves run another way only to fp32 rounding, amplified on degenerate rollouts (one token repeated)
+HF_RTOL = 1e-4
 
 
 def tiny_lm(dtype=torch.float64, seed=0, checkpointing=False) -> TinyLM:
@@ -159,8 +162,7 @@ def test_hugging_face_llama_gradients_equal_flat_training(mode, checkpointing):
         enable_hf_checkpointing(model)
     before = model.config._attn_implementation
     result = tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode=mode, block_tokens=2)
-    # transformers' Llama computes RMSNorm and RoPE in float32 even for float64 weights
-    assert_grads_close(model, expected, 1e-5)
+    assert_grads_close(model, expected, HF_RTOL)
     torch.testing.assert_close(result.losses, expected_losses, rtol=1e-6, atol=1e-8)
     assert model.config._attn_implementation == before  # the model's own attention is restored
 
@@ -179,7 +181,7 @@ def test_hugging_face_llama_on_random_tries(seqs, mode, block_tokens, checkpoint
     if checkpointing:
         enable_hf_checkpointing(model)
     tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode=mode, block_tokens=block_tokens)
-    assert_grads_close(model, expected, 1e-5)
+    assert_grads_close(model, expected, HF_RTOL)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -272,7 +274,7 @@ def test_calibration_fits_measurements_and_restores_grads(tmp_path, monkeypatch)
     assert all(c >= 0 for mode in MODES for c in fitted.time[mode])
     assert all(torch.all(p.grad == 7.0) for p in model.parameters())
     assert list(tmp_path.rglob("*.json")), "the calibration is cached"
-    again = calibrate(model, block_tokens=16, progress=False)  # from the cache, instantly
+    again = calibrate(model, block_tokens=16, scale_tokens=96, progress=False)  # from the cache, instantly
     assert again.to_dict() == fitted.to_dict()
     choice, _ = again.choose(MicroBatchShape.of(RolloutTrie.from_sequences(CASES[1]), 16))
     assert choice in MODES
@@ -329,3 +331,69 @@ def test_hf_attention_restored_after_an_error():
         model.model.embed_tokens.register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
         tree_backward(model, trie, mode="dfs")
     assert model.config._attn_implementation == before
+
+
+# ---------------------------------------------------------------------- frozen layers, no_grad, dropout
+@pytest.mark.parametrize("mode", MODES + ("auto",))
+def test_frozen_bottom_layers_and_frozen_model(mode):
+    seqs = CASES[0]
+    weights = random_weights(seqs, 11)
+    model = tiny_lm()
+    model.embed.weight.requires_grad_(False)
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    expected, _ = flat_gradients(model, seqs, weights)
+    expected = {n: g for n, g in expected.items() if dict(model.named_parameters())[n].requires_grad}
+    tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode=mode, block_tokens=2)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, f"{name} is frozen but got a gradient"
+    total = torch.sqrt(sum(g.pow(2).sum() for g in expected.values()))
+    for name, want in expected.items():
+        got = dict(model.named_parameters())[name].grad
+        assert (got - want).norm() <= 1e-9 * torch.maximum(want.norm(), 1e-6 * total), name
+    for p in model.parameters():
+        p.requires_grad_(False)
+    result = tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode=mode, block_tokens=2)
+    assert torch.isfinite(result.losses).all()  # nothing trainable: losses only, no error
+
+
+def test_no_grad_context_and_active_dropout_are_refused_clearly():
+    trie = RolloutTrie.from_sequences(CASES[0])
+    with torch.no_grad(), pytest.raises(RuntimeError, match="outside torch.no_grad"):
+        tree_backward(tiny_lm(), trie)
+    model = tiny_lm()
+    model.blocks[0].mlp.down = torch.nn.Sequential(model.blocks[0].mlp.down, torch.nn.Dropout(0.1))
+    with pytest.raises(ValueError, match="dropout is active"):
+        tree_backward(model, trie, mode="dfs")
+    result = tree_backward(
+        model,
+        trie,
+        mode="auto",
+        cost_model=CostModel(time={"flat": [0, 1, 0, 0], "packed": [0, 1, 0, 0], "dfs": [0, 0, 0, 0]}),
+    )
+    assert "dfs" not in result.report.modes  # auto never picks dfs while dropout is active
+    model.eval()
+    assert tree_backward(model, trie, mode="dfs").report.modes == ["dfs"]
+
+
+def test_sliding_window_models_run_while_rollouts_fit_the_window():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg).double()
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6]]
+    weights = random_weights(seqs, 12)
+    expected, _ = flat_gradients(model, seqs, weights)
+    tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode="dfs", block_tokens=2)
+    assert_grads_close(model, expected, HF_RTOL)
+    with pytest.raises(ValueError, match="sliding window"):
+        tree_backward(model, RolloutTrie.from_sequences([list(range(1, 12))]), mode="packed")

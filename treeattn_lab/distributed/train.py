@@ -119,6 +119,14 @@ def _barrier(monitor, timeout_s: float, where: str) -> None:
         ) from e
 
 
+def _rank_in(group) -> int:
+    """This process's rank in ``group``; a clear error for a process outside it (torch returns -1)."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    return rank
+
+
 def _gather(obj, monitor) -> list:
     out = [None] * dist.get_world_size(monitor)
     dist.all_gather_object(out, obj, group=monitor)
@@ -169,7 +177,7 @@ def plan_shares(
     """
     started = time.perf_counter()
     monitor = _monitor_group(group)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = _rank_in(group), dist.get_world_size(group)
     cost_model = cost_model or CostModel()
     engine = {
         "mode": mode,
@@ -285,10 +293,12 @@ def run_step(model, plan: StepPlan, *, group=None, barrier_timeout_s: float = 60
     :class:`RankFailureError` and ``.grad`` is left as it was before the call.
     """
     started = time.perf_counter()
-    monitor = _monitor_group(group)
-    rank = dist.get_rank(group)
-    share = plan.balance.shares[rank]
+    rank = _rank_in(group)
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameter (requires_grad=True): nothing to train")
+    monitor = _monitor_group(group)
+    share = plan.balance.shares[rank]
     device = params[0].device
     saved = [p.grad for p in params]
     for p in params:

@@ -18,7 +18,6 @@ implementation is switched only for the duration of a call and then restored.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable
 from functools import partial
 
@@ -44,6 +43,9 @@ class ModelAdapter:
         """Hold whatever the engine's attention needs for a whole call, backward passes included
         (activation checkpointing recomputes layers during backward)."""
         yield self
+
+    def check_length(self, longest: int) -> None:
+        """Raise if the model cannot run a rollout of ``longest`` tokens exactly under the engine."""
 
     @property
     def device(self) -> torch.device:
@@ -71,9 +73,10 @@ def _call_with_layer(attention: LayerAttention, layer: int, q, k, v):
 
 # ---------------------------------------------------------------------------------- Hugging Face
 HF_ATTENTION_NAME = "treeattn_lab"
-_CURRENT_ATTENTION: contextvars.ContextVar[LayerAttention | None] = contextvars.ContextVar(
-    "treeattn_lab_layer_attention", default=None
-)
+# The attention of the running engine call. A plain module-level slot, not a ContextVar: on CUDA,
+# checkpointed layers are recomputed on autograd's worker threads, which must see it too. So one
+# tree_backward call at a time per process (each call sets it in session() and clears it after).
+_ACTIVE: dict[str, LayerAttention | None] = {"attention": None}
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -82,7 +85,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     The engine's attention is causal (or tree-shaped) by construction, so the model's mask is ignored;
     none is built, because this name is not registered with ``transformers``' mask interface.
     """
-    attention = _CURRENT_ATTENTION.get()
+    attention = _ACTIVE["attention"]
     if attention is None:
         raise RuntimeError(
             f"attention implementation {HF_ATTENTION_NAME!r} only runs inside the treeattn_lab engine"
@@ -104,28 +107,38 @@ class HFCausalLMAdapter(ModelAdapter):
 
     def __init__(self, model):
         cfg = model.config
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            raise ValueError("sliding-window attention layers are not supported by the treeattn_lab engine")
         super().__init__(model, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
+        uses_window = getattr(cfg, "use_sliding_window", True) and getattr(cfg, "sliding_window", None)
+        self.sliding_window = int(cfg.sliding_window) if uses_window else None
         _register_hf_attention()
+
+    def check_length(self, longest: int) -> None:
+        """A sliding-window model is exact here only while no rollout is longer than its window."""
+        if self.sliding_window is not None and longest > self.sliding_window:
+            raise ValueError(
+                f"a rollout of {longest} tokens is longer than the model's sliding window "
+                f"({self.sliding_window}): sliding-window attention is not supported by the engine"
+            )
 
     @contextlib.contextmanager
     def session(self):
         """Switch the model to the engine's attention for the call, then restore its own."""
+        if _ACTIVE["attention"] is not None:
+            raise RuntimeError("another treeattn_lab engine call is running in this process")
         config = self.model.config
-        previous, token = config._attn_implementation, _CURRENT_ATTENTION.set(None)
+        previous = config._attn_implementation
         config._attn_implementation = HF_ATTENTION_NAME
         try:
             yield self
         finally:
             config._attn_implementation = previous
-            _CURRENT_ATTENTION.reset(token)
+            _ACTIVE["attention"] = None
 
     def logits(self, input_ids, position_ids, attention: LayerAttention):
         if self.model.config._attn_implementation != HF_ATTENTION_NAME:
             raise RuntimeError("HFCausalLMAdapter.logits runs inside `with adapter.session():`")
         # stays set after the forward: a checkpointed layer recomputed in backward must see it too
-        _CURRENT_ATTENTION.set(attention)
+        _ACTIVE["attention"] = attention
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
 

@@ -20,6 +20,7 @@ padding is small and flash attention is fastest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -163,13 +164,15 @@ class CostModel:
         m = sum(a * f for a, f in zip(self.memory[mode], memory_x, strict=True))
         return t, m
 
-    def choose(self, shape: MicroBatchShape, *, memory_limit: float | None = None) -> tuple[str, dict]:
-        """The fastest mode whose predicted peak memory fits ``memory_limit``; and every prediction."""
+    def choose(
+        self, shape: MicroBatchShape, *, memory_limit: float | None = None, modes: tuple[str, ...] = MODES
+    ) -> tuple[str, dict]:
+        """The fastest of ``modes`` whose predicted peak fits ``memory_limit``; and every prediction."""
         if memory_limit is not None and not self.calibrated:
             raise ValueError("memory_limit needs a calibrated cost model (see calibrate())")
-        predictions = {m: self.predict(shape, m) for m in MODES}
-        fitting = [m for m in MODES if memory_limit is None or predictions[m][1] <= memory_limit]
-        pool = fitting or ["dfs"]  # the leanest mode when nothing is predicted to fit
+        predictions = {m: self.predict(shape, m) for m in modes}
+        fitting = [m for m in modes if memory_limit is None or predictions[m][1] <= memory_limit]
+        pool = fitting or [min(modes, key=lambda m: predictions[m][1])]  # the leanest when none fits
         return min(pool, key=lambda m: predictions[m][0]), predictions
 
     # --------------------------------------------------------------------- fitting and storage
@@ -213,12 +216,14 @@ def _device_label(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def cache_path(model, block_tokens: int) -> Path:
-    """Where a calibration for this model signature, device and library versions is cached."""
-    params = sum(p.numel() for p in model.parameters())
+def cache_path(model, block_tokens: int, token_budget: int | None = None, scale_tokens: int = 4096) -> Path:
+    """Where a calibration is cached: per model architecture (class, parameter shapes and dtype), device,
+    engine settings and torch version."""
     first = next(model.parameters())
-    key = f"{type(model).__name__}-{params}-{first.dtype}-{_device_label(first.device)}-{block_tokens}"
-    key += f"-torch{torch.__version__}"
+    shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
+    arch = hashlib.sha256(f"{type(model).__name__}|{shapes}".encode()).hexdigest()[:16]
+    key = f"{type(model).__name__}-{arch}-{first.dtype}-{_device_label(first.device)}"
+    key += f"-block{block_tokens}-budget{token_budget}-scale{scale_tokens}-torch{torch.__version__}"
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
     root = Path(os.environ.get("TREEATTN_CACHE", Path.home() / ".cache" / "treeattn_lab"))
     return root / "cost_models" / f"{safe}.json"
@@ -255,7 +260,7 @@ def calibrate(
     """
     from .tree_backward import tree_backward
 
-    path = cache_path(model, block_tokens)
+    path = cache_path(model, block_tokens, token_budget, scale_tokens)
     if use_cache and path.exists():
         return CostModel.from_dict(json.loads(path.read_text()))
     rng = random.Random(seed)

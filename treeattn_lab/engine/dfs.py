@@ -124,6 +124,11 @@ class BlockRun:
             st.k[layer][p : p + n] = k[0]
             st.v[layer][p : p + n] = v[0]
             return suffix_causal(q, st.k[layer][None, : p + n], st.v[layer][None, : p + n], scale)
+        if not torch.is_grad_enabled():  # what a reentrant checkpoint does to the layers it wraps
+            raise RuntimeError(
+                "the DFS engine needs autograd inside the model's layers: with activation checkpointing use "
+                "the non-reentrant kind (use_reentrant=False)"
+            )
         if self.prefix_k[layer] is None:  # first call; a checkpoint's recomputation reuses the same leaves
             self.prefix_k[layer] = st.k[layer][:p].detach().requires_grad_(True)
             self.prefix_v[layer] = st.v[layer][:p].detach().requires_grad_(True)
@@ -137,7 +142,7 @@ class BlockRun:
         """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V."""
         st, b = self.state, self.block
         roots, grads = [], []
-        if loss is not None:
+        if loss is not None and loss.requires_grad:  # no trainable parameter: nothing to send back
             roots.append(loss)
             grads.append(torch.ones_like(loss))
         if b.has_children:
@@ -145,11 +150,8 @@ class BlockRun:
             for layer in range(st.num_layers):
                 pairs = ((self.new_k[layer], st.grad_k[layer]), (self.new_v[layer], st.grad_v[layer]))
                 for own, buf in pairs:
-                    if own is None or not own.requires_grad:
-                        raise RuntimeError(
-                            "the block's keys and values carry no autograd history: with activation "
-                            "checkpointing use the non-reentrant kind (use_reentrant=False)"
-                        )
+                    if own is None or not own.requires_grad:  # frozen layers below: no parameter to reach
+                        continue
                     roots.append(own)
                     grads.append(buf[None, p : p + n].to(own.dtype))
         if roots:

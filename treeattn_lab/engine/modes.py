@@ -64,7 +64,7 @@ def run_packed(adapter, micro_batch, weights, *, backend: str = "auto") -> dict:
     )
     loss, nll = plan.loss(logits[0], 0)
     del logits
-    if loss is not None:
+    if loss is not None and loss.requires_grad:  # no trainable parameter: nothing to send back
         loss.backward()
     return {
         "losses": plan.sequence_losses(nll),

@@ -91,13 +91,15 @@ def _run_micro_batch(
     cost_model,
     memory_limit,
     attention_backend,
+    deterministic=True,
 ) -> None:
     """Run one micro-batch in ``mode`` (or the cost model's choice), filling ``losses`` and ``report``."""
     mb_weights = [weights[i] for i in mb.sequences]
     chosen, predicted = mode, {}
     if mode == "auto":
         shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
-        chosen, predictions = cost_model.choose(shape, memory_limit=memory_limit)
+        allowed = MODES if deterministic else tuple(m for m in MODES if m != "dfs")
+        chosen, predictions = cost_model.choose(shape, memory_limit=memory_limit, modes=allowed)
         predicted = {m: p[0] for m, p in predictions.items()}
     if chosen == "flat":
         out = run_flat(adapter, mb, mb_weights, token_budget=token_budget)
@@ -113,6 +115,12 @@ def _run_micro_batch(
         report.carried_tokens += mb.carried_tokens
     report.grad_tokens += out["grad_tokens"]
     report.no_grad_tokens += out["no_grad_tokens"]
+
+
+def _active_dropout(model: torch.nn.Module) -> bool:
+    return any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in model.modules()
+    )
 
 
 def tree_backward(
@@ -143,10 +151,19 @@ def tree_backward(
         raise ValueError(f"mode must be one of {('auto',) + MODES}, got {mode!r}")
     check_int("block_tokens", block_tokens)
     check_int("token_budget", token_budget, allow_none=True)
+    if not torch.is_grad_enabled():
+        raise RuntimeError("tree_backward computes gradients: call it outside torch.no_grad()")
     adapter = adapt(model)
     weights = check_token_weights(trie, token_weights)
     if max(max(s) if s else 0 for s in (n.tokens for n in trie.nodes)) >= adapter.vocab_size:
         raise ValueError(f"the trie holds token ids >= the model's vocabulary size {adapter.vocab_size}")
+    adapter.check_length(max(trie.seq_lengths))
+    deterministic = not _active_dropout(adapter.model)
+    if mode == "dfs" and not deterministic:
+        raise ValueError(
+            "dropout is active (model in train mode with p > 0): the DFS mode runs prefixes twice and needs "
+            "the same activations both times; call model.eval() or set dropout to 0"
+        )
     cost_model = cost_model or CostModel()
 
     device = adapter.device
@@ -170,6 +187,7 @@ def tree_backward(
                 cost_model=cost_model,
                 memory_limit=memory_limit,
                 attention_backend=attention_backend,
+                deterministic=deterministic,
             )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
