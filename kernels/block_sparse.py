@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .limits import check_attention_inputs
+
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BAR_PAD = 2**31 - 1  # padding position in an index's bar_pos (never <= any query)
 _BAR_PAD = tl.constexpr(BAR_PAD)  # the same, readable inside kernels
 
@@ -410,13 +410,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def check_inputs(q, k, v, index) -> None:
     """The triton backend's own limits (shapes against the index; head dims; dtypes)."""
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head dim {d} is not supported by the triton backend; use one of {SUPPORTED_HEAD_DIMS}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype {q.dtype} is not supported by the triton backend; use fp16, bf16 or fp32")
+    check_attention_inputs(q)
     if q.shape[0] != index.num_q or k.shape[0] != index.num_k:
         raise ValueError(f"the index covers {index.num_q} queries x {index.num_k} keys, got q with "
                          f"{q.shape[0]} and k with {k.shape[0]} tokens")

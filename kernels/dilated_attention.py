@@ -60,9 +60,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .limits import check_attention_inputs
+
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # sizes and the pattern change from call to call: one compiled kernel serves them all
 _RUNTIME_INTS = ["N", "NC", "HQ", "DIL", "WIN", "INIT"]
 
@@ -497,13 +497,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
 
 
 def _check(q):
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head dim {d} is not supported by the triton backend; use one of {SUPPORTED_HEAD_DIMS}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype {q.dtype} is not supported by the triton backend; use fp16, bf16 or fp32")
+    check_attention_inputs(q)
 
 
 def triton_dilated_attention(q, k, v, *, dilation: int, window: int = 0, initial: int = 0, scale=None,

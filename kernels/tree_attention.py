@@ -60,9 +60,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .limits import check_attention_inputs
+
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --------------------------------------------------------------------------------------- schedule
@@ -353,13 +353,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _check(q, k, v):
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head dim {d} is not supported by the triton backend; use one of {SUPPORTED_HEAD_DIMS}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype {q.dtype} is not supported by the triton backend; use fp16, bf16 or fp32")
+    check_attention_inputs(q)
 
 
 def _forward(q, k, v, subtree_end, sched, launch, scale):

@@ -244,3 +244,57 @@ def test_inputs_not_mutated_on_errors_or_success(seqs, backend, seed, fault):
         assert x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
         if x.device.type != "meta":
             assert torch.equal(x, y)
+
+
+# ------------------------------------------------------------------ found by review: more clear errors
+def _review_cases():
+    from treeattn_lab import dilated_attention, sparse_attention  # noqa: F401  (the public entry points)
+    from treeattn_lab.corpus import batches, evaluate_loss, train_language_model
+    from treeattn_lab.ops.dilated_decode import DilatedKVCache, dilated_decode_step
+    from treeattn_lab.patterns.vertical_slash import estimate
+    from treeattn_lab.reference import TinyLM, TinyLMConfig
+
+    pack = RolloutTrie.from_sequences([[1, 2, 3], [1, 2, 4]]).pack()
+    T = pack.num_tokens
+    q, k, v = torch.randn(T, 2, 16), torch.randn(T, 1, 16), torch.randn(T, 1, 16)
+    cache = DilatedKVCache(dilation=3)
+    cache.extend(torch.randn(10, 2, 16), torch.randn(10, 2, 16))
+    model = TinyLM(TinyLMConfig(vocab_size=256, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=16))
+    toks = torch.randint(0, 256, (400,))
+    train = lambda **kw: train_language_model(
+        model, toks, steps=1, seq_len=16, batch_size=2, progress=False, **kw
+    )
+    return [
+        (lambda: tree_attention(*(x[..., :0] for x in (q, k, v)), pack), ValueError, "head_dim is 0"),
+        (lambda: estimate(torch.randn(64, 2, 16), torch.randn(64, 2, 16), n_vertical=4, n_slash=4,
+                          scale=float("nan")), ValueError, "scale"),
+        (lambda: DilatedKVCache(dilation=3).extend(torch.ones(4, 2, 16).long(), torch.ones(4, 2, 16).long()),
+         TypeError, "floating-point"),
+        (lambda: dilated_decode_step(torch.randn(3, 16), cache), ValueError, "multiple of 2"),
+        (lambda: dilated_decode_step(torch.randn(4, 8), cache), ValueError, "dim 16"),
+        (lambda: dilated_decode_step(torch.randn(4, 16).double(), cache), TypeError, "cache holds"),
+        (lambda: train(grad_clip=-1.0), ValueError, "grad_clip"),
+        (lambda: train(final_lr_ratio=float("nan")), ValueError, "final_lr_ratio"),
+        (lambda: train(warmup_steps=-3), ValueError, "warmup_steps"),
+        (lambda: train(lr=float("inf")), ValueError, "lr must be"),
+        (lambda: evaluate_loss(model, toks, seq_len=16, max_windows=0), ValueError, "max_windows"),
+        (lambda: next(batches(toks > 5, 2, 8)), TypeError, "int64"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_review_found_inputs_raise_clear_errors(case):
+    call, error, match = _review_cases()[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_triton_backend_refuses_bf16_under_the_interpreter():
+    from treeattn_lab.runtime import triton_interpreted
+
+    if not triton_interpreted():
+        pytest.skip("compiled Triton computes bf16 correctly; the refusal is for the CPU interpreter")
+    pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()
+    q, k, v = (torch.randn(3, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(TypeError, match="bf16"):
+        tree_attention(q, k, v, pack, backend="triton")

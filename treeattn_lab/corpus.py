@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .checks import check_int
 
 CORPUS_DIR = Path(__file__).resolve().parents[1] / "data" / "corpus"
 SPLITS = ("train", "validation")
@@ -68,12 +71,20 @@ def decode(tokens: torch.Tensor | Sequence[int]) -> str:
     return bytes(values).decode("utf-8", errors="replace")
 
 
+def _check_finite(name: str, value, *, positive: bool) -> None:
+    """A finite real number, > 0 when ``positive`` else >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
+
+
 def _check_windows(tokens: torch.Tensor, batch_size: int, seq_len: int) -> None:
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype.is_floating_point:
-        raise TypeError("tokens must be a 1-D integer tensor (from load_corpus)")
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    token_dtypes = (torch.int32, torch.int64)
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype not in token_dtypes:
+        raise TypeError("tokens must be a 1-D int64 (or int32) tensor of token ids (from load_corpus)")
+    check_int("batch_size", batch_size)
+    check_int("seq_len", seq_len)
     if tokens.numel() < seq_len + 1:
         raise ValueError(f"need at least seq_len + 1 = {seq_len + 1} tokens, got {tokens.numel()}")
 
@@ -135,6 +146,7 @@ def evaluate_loss(
     """
     attention = causal_sdpa if attention is None else attention
     _check_windows(tokens, batch_size, seq_len)
+    check_int("max_windows", max_windows, allow_none=True)
     device = _model_device(model)
     n_windows = (tokens.numel() - 1) // seq_len
     if max_windows is not None:
@@ -201,8 +213,14 @@ def train_language_model(
     passes = list(passes)
     if not passes or not all(callable(a) for a in passes):
         raise TypeError("attention must be a callable or a non-empty sequence of callables")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    check_int("steps", steps)
+    check_int("warmup_steps", warmup_steps, minimum=0, allow_none=True)
+    for name, value in (("lr", lr), ("grad_clip", grad_clip)):
+        _check_finite(name, value, positive=True)
+    for name, value in (("weight_decay", weight_decay), ("final_lr_ratio", final_lr_ratio)):
+        _check_finite(name, value, positive=False)
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be callable or None, got {type(on_step).__name__}")
     device = _model_device(model)
     warmup_steps = min(100, steps // 10) if warmup_steps is None else warmup_steps
     decay, no_decay = [], []

@@ -96,7 +96,7 @@ def pattern_attention(pattern: DilatedPattern):
         return causal_sdpa
 
     def attention(q, k, v):
-        from ..kernels.dilated_attention import SUPPORTED_HEAD_DIMS
+        from ..kernels.limits import SUPPORTED_HEAD_DIMS
 
         if q.is_cuda and q.shape[-1] in SUPPORTED_HEAD_DIMS:
             from ..ops.dilated import dilated_attention

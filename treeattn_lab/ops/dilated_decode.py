@@ -57,8 +57,13 @@ class DilatedKVCache:
             raise TypeError("k and v must be torch.Tensors")
         if k.dim() != 3 or k.shape != v.shape:
             raise ValueError(f"k and v must both be [L, Hkv, d], got {tuple(k.shape)} and {tuple(v.shape)}")
-        if self.num_tokens and (k.shape[1:] != self.window_k.shape[1:] or k.dtype != self.window_k.dtype
-                                or k.device != self.window_k.device):
+        if not k.dtype.is_floating_point or k.dtype != v.dtype or k.device != v.device:
+            raise TypeError(f"k and v must share one floating-point dtype and device, got {k.dtype} on "
+                            f"{k.device} and {v.dtype} on {v.device}")
+        if k.shape[1] == 0 or k.shape[2] == 0:
+            raise ValueError(f"k and v need at least one head and one feature, got {tuple(k.shape)}")
+        held = self.window_k
+        if held is not None and (k.shape[1:], k.dtype, k.device) != (held.shape[1:], held.dtype, held.device):
             raise ValueError("k and v must match the cache's heads, head dim, dtype and device")
         D, W, P = self.pattern.dilation, self.pattern.window, self.pattern.initial
         n, L = self.num_tokens, k.shape[0]
@@ -95,6 +100,13 @@ def dilated_decode_step(q: torch.Tensor, cache: DilatedKVCache, *, scale: float 
         raise ValueError("the cache is empty: append the current token's key and value first")
     if not isinstance(q, torch.Tensor) or q.dim() != 2:
         raise ValueError(f"q must be [Hq, d] (one token), got {getattr(q, 'shape', type(q).__name__)}")
+    hkv, d = cache.window_k.shape[1:]
+    if q.shape[1] != d or q.shape[0] == 0 or q.shape[0] % hkv:
+        raise ValueError(f"q [Hq, d] = {tuple(q.shape)} does not fit the cache's {hkv} kv heads of dim {d} "
+                         f"(Hq must be a multiple of {hkv})")
+    if q.dtype != cache.window_k.dtype or q.device != cache.window_k.device:
+        raise TypeError(f"q is {q.dtype} on {q.device} but the cache holds {cache.window_k.dtype} on "
+                        f"{cache.window_k.device}")
     check_scale(scale)
     D, W, P = cache.pattern.dilation, cache.pattern.window, cache.pattern.initial
     t = cache.num_tokens - 1

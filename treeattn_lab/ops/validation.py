@@ -26,7 +26,11 @@ def check_qkv(q, k, v, *, num_tokens: int | None = None, device=None) -> None:
         raise ValueError(f"k and v shapes disagree: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head dims disagree: {q.shape[2]} vs {k.shape[2]}")
+    if q.shape[2] == 0:
+        raise ValueError("head_dim is 0: q, k, v need at least one feature per head")
     hq, hkv = q.shape[1], k.shape[1]
+    if hq == 0:
+        raise ValueError("q has 0 heads")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     if num_tokens is not None and q.shape[0] != num_tokens:

@@ -437,10 +437,11 @@ def line_scores(q, k, *, last_q: int = 64, scale=None) -> tuple[torch.Tensor, to
     return vertical, slash
 
 
-def _check_estimate_inputs(q, k, last_q, sinks, local):
-    from ..ops.validation import check_qkv
+def _check_estimate_inputs(q, k, last_q, sinks, local, scale):
+    from ..ops.validation import check_qkv, check_scale
 
     check_qkv(q, k, k)
+    check_scale(scale)
     for name, value in (("last_q", last_q), ("sinks", sinks), ("local", local)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -462,7 +463,7 @@ def estimate(q, k, *, last_q: int = 64, n_vertical: int, n_slash: int, sinks: in
     :func:`line_scores`, always including the first ``sinks`` columns and the first ``local`` offsets
     (the attention sinks and the local window). Budgets larger than ``N`` are clipped.
     """
-    _check_estimate_inputs(q, k, last_q, sinks, local)
+    _check_estimate_inputs(q, k, last_q, sinks, local, scale)
     for name, value in (("n_vertical", n_vertical), ("n_slash", n_slash)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -491,7 +492,7 @@ def estimate_top_p(q, k, *, p: float = 0.95, max_vertical: int = 4096, max_slash
     """Like :func:`estimate`, but each head keeps the fewest columns (and, separately, offsets) that hold a
     share ``p`` of its line scores, capped at ``max_vertical`` / ``max_slash``: focused heads get few
     lines, diffuse heads many."""
-    _check_estimate_inputs(q, k, last_q, sinks, local)
+    _check_estimate_inputs(q, k, last_q, sinks, local, scale)
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
         raise ValueError(f"p must lie in (0, 1], got {p!r}")
     for name, value in (("max_vertical", max_vertical), ("max_slash", max_slash)):
@@ -507,9 +508,10 @@ def recall(pattern: VerticalSlashPattern, q, k, *, scale=None, rows=None, rounde
     """Per head ``[H]``: the share of full causal attention mass that ``pattern`` computes, averaged over
     query rows (all rows, or the positions ``rows``), block rounding included (``rounded=False``: the
     mass on the lines alone, which judges the estimate rather than the kernel)."""
-    from ..ops.validation import check_qkv
+    from ..ops.validation import check_qkv, check_scale
 
     check_qkv(q, k, k)
+    check_scale(scale)
     N, hq, d = q.shape
     if pattern.num_heads != hq:
         raise ValueError(f"pattern has {pattern.num_heads} heads but q has {hq}")
