@@ -235,6 +235,8 @@ def test_bad_steps():
             mon.step(-1.0)
         with pytest.raises(ValueError, match="latency_ms"):
             mon.step(math.nan)
+        with pytest.raises(ValueError, match="latency_ms"):
+            mon.step(math.inf)
         with pytest.raises(TypeError, match="latency_ms must be a number"):
             mon.step("1 ms")
         with pytest.raises(TypeError, match="label must be a str"):

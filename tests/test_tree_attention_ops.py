@@ -141,3 +141,15 @@ def test_every_op_chooses_its_backend_in_one_place():
             choose_backend("fast", torch.device("cpu"), op)
     with pytest.raises(ValueError, match="unknown op"):
         available_backends("cpu", "attention")
+
+
+def test_scale_accepts_numpy_floats_and_refuses_non_numbers():
+    import numpy as np
+
+    pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()
+    q, k, v = (torch.randn(3, 2, 8, dtype=torch.float64) for _ in range(3))
+    a = tree_attention(q, k, v, pack, scale=np.float32(0.5), backend="reference")
+    b = tree_attention(q, k, v, pack, scale=0.5, backend="reference")
+    torch.testing.assert_close(a, b)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        tree_attention(q, k, v, pack, scale="0.5", backend="reference")

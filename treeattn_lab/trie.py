@@ -76,9 +76,9 @@ def _as_token_list(seq, index: int) -> list[int]:
                 ) from None
     if len(tokens) == 0:
         raise ValueError(f"sequence {index} is empty; every rollout needs at least one token")
-    bad = next((t for t in tokens if t < 0), None)
+    bad = next((t for t in tokens if not 0 <= t < 2**63), None)
     if bad is not None:
-        raise ValueError(f"sequence {index} holds the negative token id {bad}")
+        raise ValueError(f"sequence {index} holds the token id {bad}; ids must lie in [0, 2**63) (int64)")
     return tokens
 
 

@@ -128,7 +128,7 @@ def _check_number(name: str, value, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
-    if not lo <= value <= hi:  # also rejects NaN
+    if not lo <= value <= hi or not math.isfinite(value):  # also rejects NaN and infinities
         raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
     return value
 

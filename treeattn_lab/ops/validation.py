@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -42,7 +44,7 @@ def check_qkv(q, k, v, *, num_tokens: int | None = None, device=None) -> None:
 def check_scale(scale) -> None:
     if scale is None:
         return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # numpy floats included
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not scale > 0 or scale != scale or scale == float("inf"):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
