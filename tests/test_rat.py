@@ -105,3 +105,24 @@ def test_experiment_micro_run_has_every_row():
     assert set(rat_dilation.headline(result, dilation=4)) == set(rat_dilation.MODELS)
     assert len(rat_dilation.draw_results(result).data) > 0
     assert len(rat_dilation.draw_histories(result).data) == 3
+
+
+def test_merged_seeds_summarize_like_one_run():
+    """Runs of one setting with different seeds merge into the summary of all their rows."""
+    def run(seed, loss):
+        rows = [{"model": m, "dilation": d, "window": 0, "initial": 0, "adapted": False, "seed": seed,
+                 "val_loss": loss * (1 + d / 100)} for m in rat_dilation.MODELS for d in (1, 16)]
+        return {"config": {"steps": 5, "seeds": [seed]}, "rows": rows, "histories": {f"plain/seed{seed}": []},
+                "seconds": 1.0 + seed, "device": "cpu"}
+
+    merged = rat_dilation.merge_results([run(0, 2.0), run(1, 3.0)])
+    assert merged["config"]["seeds"] == [0, 1] and len(merged["rows"]) == 8 and merged["seconds"] == 2.0
+    row = next(s for s in merged["summary"] if s["model"] == "rat+" and s["dilation"] == 16)
+    assert row["seeds"] == 2 and row["val_loss"] == pytest.approx(2.5 * 1.16)
+    assert row["gap_vs_dense"] == pytest.approx(1.16 / 1.01 - 1)
+    with pytest.raises(ValueError, match="repeat a seed"):
+        rat_dilation.merge_results([run(0, 2.0), run(0, 3.0)])
+    other = run(1, 3.0)
+    other["config"]["steps"] = 6
+    with pytest.raises(ValueError, match="same configuration"):
+        rat_dilation.merge_results([run(0, 2.0), other])

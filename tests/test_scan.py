@@ -19,19 +19,20 @@ from treeattn_lab.reference.scan import gated_scan as reference_scan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
-CONFIGS = [(16, 4, 1, 1), (8, 8, 1, 1), (32, 16, 4, 1)]
+CONFIGS = [(16, 4, 1, 1, "tile"), (8, 8, 1, 1, "tile"), (32, 16, 4, 1, "tile"), (16, 4, 1, 1, "loop"),
+           (4, 16, 1, 1, "loop"), (32, 8, 2, 1, "loop")]
 
 
 
 
 
-def _check(shape, dim, dtype, seed, config, inclusive_every=1):
+def _check(shape, dim, dtype, seed, config, inclusive_every=1, window=16):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     g = torch.rand(shape, generator=gen, dtype=torch.float64).to(dtype)
     dh = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     xk, gk = (t.clone().to(DEVICE).requires_grad_() for t in (x, g))
-    with poisoned_allocations(kernel_module, _INCLUSIVE_EVERY=inclusive_every):
+    with poisoned_allocations(kernel_module, _INCLUSIVE_EVERY=inclusive_every, LOOK_BACK_WINDOW=window):
         h = triton_gated_scan(xk, gk, dim=dim, config=config)
         h.backward(dh.to(DEVICE))
     xr, gr = (t.double().requires_grad_() for t in (x, g))
@@ -55,22 +56,32 @@ def _check(shape, dim, dtype, seed, config, inclusive_every=1):
     seed=st.integers(0, 2**31 - 1),
     config=st.sampled_from(CONFIGS),
     inclusive_every=st.sampled_from([1, 3, 1000]),
+    window=st.sampled_from([2, 4, 16]),
 )
-def test_kernel_matches_loop_fp32(n, channels, batch, seed, config, inclusive_every):
+def test_kernel_matches_loop_fp32(n, channels, batch, seed, config, inclusive_every, window):
     shape = (*batch, n, *channels)
-    _check(shape, len(batch), torch.float32, seed, config, inclusive_every)
+    _check(shape, len(batch), torch.float32, seed, config, inclusive_every, window)
 
 
-@pytest.mark.parametrize("inclusive_every", [2, 3, 1000])
-def test_look_back_composes_chunk_maps(inclusive_every):
-    """Chunks that publish only their map make later chunks compose maps back to a known state."""
-    _check((2, 70, 5), 1, torch.float32, seed=inclusive_every, config=(8, 4, 1, 1),
-           inclusive_every=inclusive_every)
+@pytest.mark.parametrize("method", ["tile", "loop"])
+@pytest.mark.parametrize(("inclusive_every", "window"), [(2, 16), (3, 2), (1000, 4), (1000, 16), (5, 4)])
+def test_look_back_composes_chunk_maps(inclusive_every, window, method):
+    """Chunks that publish only their map make later chunks compose maps back to a known state, one
+    window of flags at a time (several windows, a state inside a window, the start of the sequence)."""
+    _check((2, 70, 5), 1, torch.float32, seed=inclusive_every, config=(8, 4, 1, 1, method),
+           inclusive_every=inclusive_every, window=window)
 
 
+@pytest.mark.parametrize("method", ["tile", "loop"])
 @pytest.mark.parametrize(("shape", "dim"), [((45, 3, 7), 0), ((2, 33, 6), 1)])
-def test_kernel_matches_loop_fp16(shape, dim):
-    _check(shape, dim, torch.float16, seed=shape[0], config=(16, 4, 1, 1))
+def test_kernel_matches_loop_fp16(shape, dim, method):
+    _check(shape, dim, torch.float16, seed=shape[0], config=(16, 4, 1, 1, method))
+
+
+def test_unknown_method_is_refused():
+    x = torch.rand(5, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="scan method"):
+        triton_gated_scan(x, x, config=(4, 4, 1, 1, "magic"))
 
 
 def test_time_axis_anywhere():

@@ -174,7 +174,7 @@ def evaluate_model(model, model_name: str, cfg: ExperimentConfig, seed: int) -> 
     return rows
 
 
-def summarize(rows: list[dict], cfg: ExperimentConfig) -> list[dict]:
+def summarize(rows: list[dict], cfg: ExperimentConfig | None = None) -> list[dict]:
     """Mean loss over seeds per (model, pattern, adapted), with the gap to the same model's D = 1 loss
     (adapted rows against D = 1 after the same number of extra dense steps)."""
     groups: dict[tuple, list[float]] = {}
@@ -206,6 +206,24 @@ def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progre
             rows += evaluate_model(model, name, cfg, seed)
     return {"config": asdict(cfg), "rows": rows, "summary": summarize(rows, cfg), "histories": histories,
             "seconds": time.perf_counter() - start, "device": str(device)}
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from runs of the same setting with different seeds (for example one process per seed
+    sharing a GPU): rows and histories joined, the summary recomputed over every seed."""
+    if not results:
+        raise ValueError("merge_results needs at least one result")
+    settings = [{k: v for k, v in r["config"].items() if k != "seeds"} for r in results]
+    if any(s != settings[0] for s in settings):
+        raise ValueError("results to merge must come from the same configuration apart from the seeds")
+    seeds = [seed for r in results for seed in r["config"]["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"results to merge repeat a seed: {sorted(seeds)}")
+    rows = [row for r in results for row in r["rows"]]
+    histories = {k: v for r in results for k, v in r["histories"].items()}
+    return {"config": {**results[0]["config"], "seeds": sorted(seeds)}, "rows": rows,
+            "summary": summarize(rows), "histories": histories,
+            "seconds": max(r["seconds"] for r in results), "device": results[0]["device"]}
 
 
 def headline(result: dict, dilation: int = 16) -> dict:
@@ -285,21 +303,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="merge saved results of the same mode run with different seeds; trains nothing")
     args = parser.parse_args(argv)
     cfg = MODES[args.mode]
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps)
     if args.seeds:
         cfg = replace(cfg, seeds=tuple(int(s) for s in args.seeds.split(",")))
-    result = run_experiment(cfg, device=args.device)
+    if args.merge:
+        import json
+
+        saved = [json.loads(Path(f).read_text()) for f in args.merge]
+        result, env = merge_results(saved), saved[0]["environment"]  # where they ran, not here
+    else:
+        result = run_experiment(cfg, device=args.device)
     from ..bench.harness import environment, print_table, write_results
+
+    env = env if args.merge else environment()
 
     rows = sorted(result["summary"], key=lambda s: (s["model"], s["window"], s["dilation"], s["adapted"]))
     print_table(f"RAT+ vs plain attention under dilated inference ({args.mode}, {result['device']}, "
                 f"{result['seconds']:.0f} s)", COLUMNS, rows)
     print("headline (D = 16, adapted):", headline(result))
     if not args.no_save:
-        path = write_results(f"rat-dilation-{args.mode}", result["rows"], environment(),
+        path = write_results(f"rat-dilation-{args.mode}", result["rows"], env,
                              directory=Path(args.out) if args.out else None,
                              extra={**{k: v for k, v in result.items() if k != "rows"},
                                     "headline": headline(result)})
