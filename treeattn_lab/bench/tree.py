@@ -5,12 +5,18 @@ For each case (the shapes of shared/RESEARCH.md section 1, and the bundled rollo
 - flat SDPA: every rollout its own sequence, causal ``scaled_dot_product_attention`` on a padded batch
   ``[B, H, L, D]`` (FlashAttention on a GPU);
 - flex: the packed trie, FlexAttention with the tree ``mask_mod`` (block mask built once, not timed);
-- triton: the packed trie, the lab's tile-skipping kernel (schedule built once, not timed).
+- triton: the packed trie, the lab's tile-skipping kernel (schedule built once, not timed);
+- gather-flat: the packed trie, ``tree_attention(backend="flat")``: every root-to-leaf rollout gathered out
+  of the pack into length buckets, causal SDPA, each token's output written back from one rollout (plan
+  built once, not timed; the gathers and scatters are timed);
+- auto: the packed trie, ``tree_attention(backend="auto")`` (its pick is reported: gather-flat when the
+  pack shares little, else triton).
 
 Reported: median ms forward and forward+backward, speed-up over flat, the ideal speed-up (attended pairs
 flat / tree) and useful TFLOP/s = attended pairs x 4 x heads x head_dim / time (x 3.5 for fwd+bwd:
-the backward does 2.5 times the forward's matrix work). ``--check`` also compares the bf16 triton
-output and gradients with an fp32 flat reference.
+the backward does 2.5 times the forward's matrix work). ``--check`` also compares the bf16 triton and
+gather-flat outputs and gradients with an fp32 flat reference. When auto runs, a second table puts auto
+beside flat SDPA and triton for every case.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from tqdm.auto import tqdm
 
 from ..trie import RolloutTrie
 from .harness import environment, print_table, time_ms, write_results
+
+# bench row name -> tree_attention backend ("flat" is the flat SDPA baseline, not a tree_attention backend)
+TREE_BACKENDS = {"reference": "reference", "flex": "flex", "triton": "triton", "gather-flat": "flat",
+                 "auto": "auto"}
+ROW_OF_BACKEND = {b: row for row, b in TREE_BACKENDS.items()}
 
 
 @dataclass
@@ -82,6 +93,7 @@ def quick_cases() -> list[TreeCase]:
     return [
         TreeCase("tiny grpo 2x4 p48 r24", branching_rollouts(2, 48, [(4, 24)])),
         TreeCase("tiny agentic 1x(2x2) p64 s16+16", branching_rollouts(1, 64, [(2, 16), (2, 16)])),
+        TreeCase("tiny low sharing 4x2 p8 r40", branching_rollouts(4, 8, [(2, 40)])),
     ]
 
 
@@ -108,8 +120,9 @@ def _timings(fwd, inputs, device) -> tuple[float, float]:
             time_ms(fwd_bwd, grad_to_none=inputs, device=device))
 
 
-def check_against_flat(pack, heads, dim, device, gen) -> dict:
-    """Relative errors of bf16 triton output and grads against fp32 per-sequence attention."""
+def check_against_flat(pack, heads, dim, device, gen, backend: str = "triton") -> dict:
+    """Relative errors of a bf16 tree_attention ``backend``'s output and grads against fp32 per-sequence
+    attention."""
     from ..ops import tree_attention
 
     q, k, v = (x.detach() for x in _packed_inputs(pack, heads, dim, torch.float32, device, gen))
@@ -120,7 +133,7 @@ def check_against_flat(pack, heads, dim, device, gen) -> dict:
     out_ref = pack.from_padded(out_pad.transpose(1, 2))
     out_ref.backward(do)
     low = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
-    out = tree_attention(*low, pack, backend="triton")
+    out = tree_attention(*low, pack, backend=backend)
     out.backward(do.to(torch.bfloat16))
 
     def rel(a, b):
@@ -132,6 +145,7 @@ def check_against_flat(pack, heads, dim, device, gen) -> dict:
 
 def run_case(case: TreeCase, *, heads: int, dim: int, dtype, device, backends, check: bool) -> list[dict]:
     from ..ops import tree_attention
+    from ..ops.tree import choose_tree_backend
 
     trie = RolloutTrie.from_sequences(case.sequences)
     stats = trie.stats()
@@ -148,28 +162,52 @@ def run_case(case: TreeCase, *, heads: int, dim: int, dtype, device, backends, c
             fwd = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             inputs = _packed_inputs(pack, heads, dim, dtype, device, gen)
-            fwd = lambda q, k, v, b=backend: tree_attention(q, k, v, pack, backend=b)
+            fwd = lambda q, k, v, b=TREE_BACKENDS[backend]: tree_attention(q, k, v, pack, backend=b)
         fwd_ms, fwd_bwd_ms = _timings(fwd, inputs, device)
         useful = pairs["flat" if backend == "flat" else "tree"] * 4 * heads * dim
         rows.append({**base, "backend": backend, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
                      "fwd_tflops": useful / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * useful / fwd_bwd_ms / 1e9})
+        if backend == "auto":
+            rows[-1]["auto_picks"] = ROW_OF_BACKEND[choose_tree_backend("auto", pack, device, dtype)]
         del inputs
     flat = next((r for r in rows if r["backend"] == "flat"), None)
     for r in rows:
         if flat is not None:
             r["fwd_speedup"] = flat["fwd_ms"] / r["fwd_ms"]
             r["fwd_bwd_speedup"] = flat["fwd_bwd_ms"] / r["fwd_bwd_ms"]
-    if check and "triton" in backends:
-        errors = check_against_flat(pack, heads, dim, device, gen)
-        for r in rows:
-            if r["backend"] == "triton":
-                r.update(errors)
+    for r in rows:
+        if check and r["backend"] in ("triton", "gather-flat"):
+            r.update(check_against_flat(pack, heads, dim, device, gen, TREE_BACKENDS[r["backend"]]))
     return rows
+
+
+def auto_summary(rows: list[dict]) -> list[dict]:
+    """One row per case: auto's pick and speed beside flat SDPA and the triton kernel (fwd+bwd)."""
+    by = {(r["case"], r["backend"]): r for r in rows}
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        auto, flat, triton = (by.get((case, b)) for b in ("auto", "flat", "triton"))
+        if auto is None:
+            continue
+        row = {"case": case, "ideal": auto["ideal"], "auto_picks": auto.get("auto_picks"),
+               "auto_fwd_bwd_ms": auto["fwd_bwd_ms"]}
+        if flat is not None:
+            row.update(flat_fwd_bwd_ms=flat["fwd_bwd_ms"], auto_fwd_x_flat=flat["fwd_ms"] / auto["fwd_ms"],
+                       auto_x_flat=flat["fwd_bwd_ms"] / auto["fwd_bwd_ms"])
+        if triton is not None:
+            row["auto_x_triton"] = triton["fwd_bwd_ms"] / auto["fwd_bwd_ms"]
+        out.append(row)
+    return out
 
 
 COLUMNS = [("case", "case"), ("T", "packed T"), ("backend", "backend"), ("fwd_ms", "fwd ms"),
            ("fwd_bwd_ms", "fwd+bwd ms"), ("fwd_speedup", "fwd x flat"), ("fwd_bwd_speedup", "fwd+bwd x flat"),
-           ("ideal", "ideal"), ("fwd_tflops", "fwd TFLOP/s"), ("fwd_bwd_tflops", "fwd+bwd TFLOP/s")]
+           ("ideal", "ideal"), ("fwd_tflops", "fwd TFLOP/s"), ("fwd_bwd_tflops", "fwd+bwd TFLOP/s"),
+           ("auto_picks", "auto picks")]
+AUTO_COLUMNS = [("case", "case"), ("ideal", "ideal"), ("auto_picks", "auto picks"),
+                ("flat_fwd_bwd_ms", "flat SDPA fwd+bwd ms"), ("auto_fwd_bwd_ms", "auto fwd+bwd ms"),
+                ("auto_x_flat", "auto fwd+bwd x flat"), ("auto_fwd_x_flat", "auto fwd x flat"),
+                ("auto_x_triton", "auto x triton")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", choices=["research", "data", "all", "quick"], default=None,
                         help="default: all on a GPU, quick on the CPU")
-    parser.add_argument("--backends", default=None, help="comma list of flat,flex,triton")
+    parser.add_argument("--backends", default=None,
+                        help="comma list of flat,flex,triton,gather-flat,auto (and reference); default: all "
+                             "but reference on a GPU, flat,reference,triton,gather-flat,auto on the CPU")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--check", action="store_true", help="also check triton bf16 against fp32 flat")
@@ -191,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = {"research": research_cases, "data": dataset_cases, "quick": quick_cases,
              "all": lambda: research_cases() + dataset_cases()}[which]()
     backends = args.backends.split(",") if args.backends else (
-        ["flat", "flex", "triton"] if cuda else ["flat", "reference", "triton"])
+        ["flat", "flex", "triton", "gather-flat", "auto"] if cuda
+        else ["flat", "reference", "triton", "gather-flat", "auto"])
+    unknown = [b for b in backends if b != "flat" and b not in TREE_BACKENDS]
+    if unknown:
+        parser.error(f"unknown backends {unknown}; choose from flat, {', '.join(TREE_BACKENDS)}")
     heads, dim = (args.heads, args.dim) if cuda or args.cases else (2, 16)
 
     rows = []
@@ -202,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     title = f"tree attention, {env['device']}, {str(dtype).removeprefix('torch.')}, {heads} heads x {dim}"
     columns = COLUMNS + ([("rel_err_out", "err out"), ("rel_err_dk", "err dk")] if args.check else [])
     print_table(title, columns, rows)
+    summary = auto_summary(rows)
+    if summary:
+        print_table(f"auto against flat SDPA and triton (fwd+bwd), {env['device']}", AUTO_COLUMNS, summary)
     from pathlib import Path
 
     path = write_results("tree", rows, env, directory=Path(args.out) if args.out else None,

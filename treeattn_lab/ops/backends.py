@@ -3,6 +3,8 @@
 Every op has the same three backends: ``"reference"`` (the einops definition, any device), ``"flex"``
 (PyTorch FlexAttention with the op's ``mask_mod``) and ``"triton"`` (the op's kernel in ``kernels/``).
 ``"auto"`` picks the fastest available: triton on CUDA, else flex on CUDA, else the reference.
+Tree attention also has ``"flat"`` (causal SDPA per rollout, ``ops/flat_tree.py``), which ``"auto"``
+picks on CUDA when the caller reports that the pack shares little (``low_sharing``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ KERNELS = {  # op -> its kernel module in kernels/ (installed as treeattn_lab.ke
     "gated_scan": "scan",
 }
 NO_FLEX = ("gated_scan",)  # a recurrence, not attention
+OP_BACKENDS = {"tree_attention": ("flat",)}  # backends only some ops have (plain torch, always available)
 
 
 def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
@@ -31,23 +34,27 @@ def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
     kernel = f"treeattn_lab.kernels.{KERNELS[op]}"
     if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(kernel) is not None:
         out.append("triton")
-    return out
+    return out + list(OP_BACKENDS.get(op, ()))
 
 
-def choose_backend(backend: str, device: torch.device, op: str = "tree_attention") -> str:
+def choose_backend(backend: str, device: torch.device, op: str = "tree_attention", *,
+                   low_sharing: bool = False) -> str:
     """The backend that runs ``op`` for the caller's ``backend`` (``"auto"`` or a name); a clear error
-    when the name is unknown or unavailable here."""
+    when the name is unknown or unavailable here. ``low_sharing``: the tree pack shares so little that
+    flat attention per rollout is faster (``ops.flat_tree.prefers_flat``); ``"auto"`` then runs it flat
+    on CUDA."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     avail = available_backends(device, op)
     if backend == "auto":
         if torch.device(device).type == "cuda":
-            for name in ("triton", "flex"):
+            for name in (("flat",) if low_sharing else ()) + ("triton", "flex"):
                 if name in avail:
                     return name
         return "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+    names = BACKENDS + OP_BACKENDS.get(op, ())
+    if backend not in names:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + names}")
     if backend not in avail:
         raise ValueError(f"backend {backend!r} of {op} is not available on {device} here")
     return backend

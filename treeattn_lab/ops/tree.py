@@ -5,7 +5,11 @@ Backends:
 - ``"flex"``: PyTorch FlexAttention with the tree ``mask_mod``; its block mask is built once per pack
   and device and reused by every layer and head (compiled on CUDA; forward only on CPU).
 - ``"triton"``: the lab's tile-skipping Triton kernel (``treeattn_lab.kernels.tree_attention``).
-- ``"auto"``: the fastest available: triton on CUDA, else flex on CUDA, else reference.
+- ``"flat"``: causal SDPA (FlashAttention on CUDA) over every root-to-leaf rollout gathered out of the
+  pack, each token's output taken from one rollout (``ops/flat_tree.py``).
+- ``"auto"``: the fastest available: on CUDA flat when the pack shares little (attended pairs flat / tree
+  below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once per pack) and the inputs are fp16 / bf16, else
+  triton, else flex; reference on the CPU.
 """
 
 from __future__ import annotations
@@ -14,9 +18,23 @@ import torch
 
 from .. import reference
 from .backends import available_backends, choose_backend
+from .flat_tree import flat_tree_attention, prefers_flat
 from .validation import check_qkv, check_scale
 
-__all__ = ["available_backends", "choose_backend", "tree_attention"]
+__all__ = ["available_backends", "choose_backend", "choose_tree_backend", "tree_attention"]
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where SDPA runs FlashAttention on CUDA
+
+
+def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype) -> str:
+    """The backend ``tree_attention`` runs for ``backend`` on ``device``: ``"auto"`` runs a pack that
+    shares little flat on CUDA in half precision, where SDPA is FlashAttention
+    (:func:`treeattn_lab.ops.flat_tree.prefers_flat`, cached per pack)."""
+    low_sharing = (backend == "auto" and torch.device(device).type == "cuda" and dtype in FLASH_DTYPES
+                   and prefers_flat(pack))
+    return choose_backend(backend, device, low_sharing=low_sharing)
+
 
 def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention of packed ``q [T, Hq, D]`` over ``k, v [T, Hkv, D]`` under the tree rule of ``pack``.
@@ -31,13 +49,15 @@ def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = 
         raise TypeError(f"pack must be a TreePack (from trie.pack()), got {type(pack).__name__}")
     check_qkv(q, k, v, num_tokens=pack.num_tokens, device=pack.device)
     check_scale(scale)
-    name = choose_backend(backend, q.device)
+    name = choose_tree_backend(backend, pack, q.device, q.dtype)
     if name == "reference":
         return reference.tree_attention(q, k, v, pack.subtree_end, scale=scale)
     if name == "flex":
         from .flex_tree import flex_tree_attention
 
         return flex_tree_attention(q, k, v, pack, scale=scale)
+    if name == "flat":
+        return flat_tree_attention(q, k, v, pack, scale=scale)
     from ..kernels.tree_attention import triton_tree_attention
 
     return triton_tree_attention(q, k, v, pack, scale=scale)
