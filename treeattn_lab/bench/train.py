@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         block_tokens=block_tokens,
         token_budget=token_budget,
         seconds=args.calibration_s,
-        scale_tokens=token_budget // 2,
         use_cache=False,
     )
     rows = []

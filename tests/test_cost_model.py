@@ -1,0 +1,313 @@
+"""The cost model's fit and refinement: NNLS where the measurements identify it, physical fallbacks where
+they do not, slopes held to what a device can do, calibration tries at the scale of use, and per-mode
+rescaling from measured micro-batches (also through the distributed probe, on a one-rank gloo group)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from treeattn_lab import RolloutTrie
+from treeattn_lab.datasets import load_trie
+from treeattn_lab.distributed.balance import BEST, EngineCost, balance
+from treeattn_lab.distributed.train import predicted_for_modes_run, refine_cost_model
+from treeattn_lab.engine import CostModel, MicroBatchShape, plan_micro_batches
+from treeattn_lab.engine.cost_model import (
+    COND_LIMIT,
+    MAX_PLAUSIBLE_FLOPS,
+    MODES,
+    calibration_tries,
+    fit_time,
+    model_work,
+)
+from treeattn_lab.reference import TinyLM, TinyLMConfig
+
+# the FLOPs of the 0.49B model of `bench train` (model_work of its TinyLM)
+WORK = {"flops_per_token": 2.7e9, "flops_per_pair": 3.4e5, "known": True}
+
+
+def random_features(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1_000, 33_000, (n,), generator=g).double()
+    pairs = tokens * torch.randint(200, 8_000, (n,), generator=g).double()
+    calls = torch.randint(1, 40, (n,), generator=g).double()
+    return torch.stack([torch.ones(n, dtype=torch.float64), tokens, pairs, calls], 1)
+
+
+# ------------------------------------------------------------------------------------------- fit_time
+def test_fit_recovers_identified_coefficients():
+    A = random_features(9, seed=0)
+    truth = torch.tensor([0.02, 1.3e-5, 7e-10, 0.09], dtype=torch.float64)
+    coef, info = fit_time(A, A @ truth, WORK)
+    assert info["method"] == "nnls" and info["rel_rms_residual"] < 1e-9
+    torch.testing.assert_close(torch.tensor(coef, dtype=torch.float64), truth, rtol=1e-6, atol=0)
+    assert info["tflops"] == pytest.approx(WORK["flops_per_token"] / 1.3e-5 / 1e12)
+
+
+def test_host_bound_measurements_keep_a_physical_token_slope():
+    # every call costs 0.1 s whatever its tokens (host-bound): unconstrained NNLS finds a zero token slope,
+    # which predicts that tokens are free; with the model's FLOPs the slope stays at the fastest possible
+    A = random_features(9, seed=1)
+    b = 0.05 + 0.1 * A[:, 3]
+    coef, info = fit_time(A, b)  # no model: nothing to hold the slope up
+    assert info["method"] == "nnls" and coef[1] == pytest.approx(0.0, abs=1e-15)
+    coef, info = fit_time(A, b, WORK)
+    assert info["method"] == "nnls"
+    assert coef[1] == pytest.approx(WORK["flops_per_token"] / MAX_PLAUSIBLE_FLOPS, rel=1e-9)
+    assert coef[2] == pytest.approx(WORK["flops_per_pair"] / MAX_PLAUSIBLE_FLOPS, rel=1e-9)
+    assert info["tflops"] == pytest.approx(MAX_PLAUSIBLE_FLOPS / 1e12)
+    assert coef[3] == pytest.approx(0.1, rel=0.05)
+
+
+def test_collinear_features_fall_back_to_physics():
+    # tokens and pairs in a fixed ratio: NNLS cannot tell them apart (condition number ~1e16), so the
+    # time is fitted as c + s * FLOPs + c_call * calls with the architecture's pair/token FLOPs ratio
+    A = random_features(8, seed=2)
+    A[:, 2] = 500.0 * A[:, 1]
+    flops = WORK["flops_per_token"] * A[:, 1] + WORK["flops_per_pair"] * A[:, 2]
+    b = 0.03 + flops / 2.0e14 + 0.08 * A[:, 3]
+    coef, info = fit_time(A, b, WORK)
+    assert info["method"] == "physical" and info["condition"] > COND_LIMIT
+    assert coef[0] == pytest.approx(0.03, rel=1e-6) and coef[3] == pytest.approx(0.08, rel=1e-6)
+    assert coef[1] == pytest.approx(WORK["flops_per_token"] / 2.0e14, rel=1e-6)
+    assert coef[2] / coef[1] == pytest.approx(WORK["flops_per_pair"] / WORK["flops_per_token"])
+
+
+def test_too_few_measurements_give_time_proportional_to_flops():
+    A = random_features(1, seed=3)
+    coef, info = fit_time(A, torch.tensor([0.7], dtype=torch.float64), WORK)
+    assert info["method"] == "proportional"
+    assert coef[0] == 0.0 and coef[3] == 0.0
+    assert float(A[0] @ torch.tensor(coef, dtype=torch.float64)) == pytest.approx(0.7)
+    # three rows cannot identify the three physical coefficients either
+    A = random_features(3, seed=4)
+    assert fit_time(A, A @ torch.tensor([0.0, 1e-5, 1e-9, 0.1], dtype=torch.float64), WORK)[1]["method"] == (
+        "proportional"
+    )
+
+
+@pytest.mark.parametrize(
+    ("A", "b", "match"),
+    [
+        (torch.ones(3, 3), torch.ones(3), "need features"),
+        (torch.ones(3, 4), torch.ones(2), "need features"),
+        (torch.ones(0, 4), torch.ones(0), "need features"),
+        (torch.ones(3, 4), torch.tensor([1.0, 0.0, 1.0]), "times finite and > 0"),
+        (-torch.ones(3, 4), torch.ones(3), "features must be finite and >= 0"),
+        (torch.ones(3, 4), torch.tensor([1.0, math.nan, 1.0]), "finite"),
+    ],
+)
+def test_fit_rejects_bad_measurements(A, b, match):
+    with pytest.raises(ValueError, match=match):
+        fit_time(A, b)
+
+
+# --------------------------------------------------------------------- calibration at the scale of use
+def packed_time(shape: MicroBatchShape) -> float:
+    """A device where a model call costs the larger of its host time (0.1 s) and its device time."""
+    return 0.01 + max(0.1, 1.3e-5 * shape.tree_tokens + 7e-10 * shape.tree_pairs)
+
+
+def fitted_packed(scale_tokens: int) -> CostModel:
+    tries = calibration_tries(scale_tokens, vocab=32000, seed=0)
+    shapes = [MicroBatchShape.of(t, 4096, scale_tokens) for _, t in tries]
+    samples = [
+        {
+            "mode": "packed",
+            "time_features": s.time_features("packed"),
+            "memory_features": s.memory_features("packed"),
+            "time_s": packed_time(s),
+            "peak_bytes": None,
+        }
+        for s in shapes
+    ]
+    return CostModel.fit(samples, work=WORK)
+
+
+def test_calibration_at_the_budget_predicts_budget_sized_micro_batches():
+    # the grpo_math micro-batches at a 32K budget; tries as small as the first calibration's (at most 8K
+    # tree tokens, host-bound) extrapolate far too low, tries that reach the budget predict them
+    real = [
+        MicroBatchShape.of(mb.trie, 4096, 32768) for mb in plan_micro_batches(load_trie("grpo_math"), 32768)
+    ]
+    truth = sum(packed_time(s) for s in real)
+    at_budget = sum(fitted_packed(32768).predict(s, "packed")[0] for s in real)
+    small = sum(fitted_packed(8192).predict(s, "packed")[0] for s in real)
+    assert abs(at_budget / truth - 1) < 0.05
+    assert small / truth - 1 < -0.25
+
+
+def test_calibration_tries_reach_the_budget_with_rollouts_like_rl():
+    scale = 32768
+    tries = calibration_tries(scale, vocab=32000, seed=0)
+    tree = [sum(len(n.tokens) for n in t.nodes) for _, t in tries]
+    assert all(t <= scale for t in tree)  # one micro-batch each
+    assert min(tree[:2]) >= 0.9 * scale  # the first two fill the budget
+    assert len(plan_micro_batches(tries[0][1], scale)) == 1
+    longest = [max(t.seq_lengths) for _, t in tries]
+    assert max(longest) >= scale // 5 and min(longest) <= scale // 60  # 8K-token and 512-token rollouts
+    ratios = [t.stats()["token_ratio"] for _, t in tries]
+    assert min(ratios) < 1.2 and max(ratios) > 3.0  # low to high sharing
+    capped = calibration_tries(scale, vocab=32000, seed=0, max_length=1000)
+    assert max(max(t.seq_lengths) for _, t in capped) <= 1000
+    assert [t.num_sequences for _, t in calibration_tries(64, vocab=7, seed=1)]  # tiny scales still build
+
+
+def test_model_work_counts_matmuls_and_attended_pairs():
+    cfg = TinyLMConfig(vocab_size=100, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48)
+    model = TinyLM(cfg)
+    per_layer = 32 * 32 * 2 + 2 * (32 * 16) + 3 * 32 * 48  # wq, wo; wk, wv (2 kv heads of 8); SwiGLU
+    work = model_work(model)
+    assert work["flops_per_token"] == 6 * (3 * per_layer + 32 * 100)  # the head, not the embedding
+    assert work["flops_per_pair"] == 14 * 4 * 8 * 3
+    assert work["known"]
+
+
+# ------------------------------------------------------------------------------------------- refine
+def small_shapes(n: int, seed: int) -> list[MicroBatchShape]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(50) for _ in range(rng.randint(5, 40))]
+        seqs = [
+            prompt + [rng.randrange(50) for _ in range(rng.randint(1, 60))] for _ in range(rng.randint(2, 6))
+        ]
+        out.append(MicroBatchShape.of(RolloutTrie.from_sequences(seqs), 16))
+    return out
+
+
+def calibrated_model() -> CostModel:
+    return CostModel(
+        time={
+            "flat": [0.0, 1e-5, 1e-8, 0.0],
+            "packed": [0.004, 1e-5, 3e-8, 0.0],
+            "dfs": [0.01, 4e-5, 3e-8, 0.05],
+        },
+        calibrated=True,
+    )
+
+
+def test_refine_recovers_per_mode_scales_and_changes_the_choice():
+    model = calibrated_model()
+    before = model.to_dict()
+    shapes = small_shapes(6, seed=0)
+    truth = {"flat": 3.0, "packed": 0.5}
+    observations = [([(s, m)], truth[m] * model.predict(s, m)[0]) for s in shapes for m in truth]
+    refined = model.refine(observations)
+    assert refined.refinement["method"] == "per_mode"
+    assert refined.refinement["scales"]["flat"] == pytest.approx(3.0)
+    assert refined.refinement["scales"]["packed"] == pytest.approx(0.5)
+    assert refined.refinement["median_abs_error_after"] < 1e-9
+    # dfs was not observed: it takes the pooled scale (sum p y / sum p^2 over all observations)
+    p = torch.tensor([model.predict(s, m)[0] for s in shapes for m in truth])
+    y = torch.tensor([t for _, t in observations])
+    assert refined.refinement["scales"]["dfs"] == pytest.approx(float(p @ y / (p @ p)))
+    for s in shapes:
+        for m in MODES:
+            assert refined.predict(s, m)[0] == pytest.approx(
+                refined.refinement["scales"][m] * model.predict(s, m)[0]
+            )
+    assert model.to_dict() == before  # not mutated
+    assert CostModel.from_dict(refined.to_dict()).to_dict() == refined.to_dict()
+    # where the calibration picked the wrong one of flat and packed, the refined model picks the measured best
+    pair = ("flat", "packed")
+    fastest = [min(pair, key=lambda m: truth[m] * model.predict(s, m)[0]) for s in shapes]
+    assert any(model.choose(s, modes=pair)[0] != f for s, f in zip(shapes, fastest, strict=True))
+    assert [refined.choose(s, modes=pair)[0] for s in shapes] == fastest
+
+
+def test_refine_pools_what_the_observations_cannot_separate():
+    model = calibrated_model()
+    shapes = small_shapes(3, seed=1)
+    # each call ran one flat and one packed micro-batch of the same shape: two modes, two observations
+    observations = [
+        ([(s, "flat"), (s, "packed")], 1.3 * sum(model.predict(s, m)[0] for m in ("flat", "packed")))
+        for s in shapes[:2]
+    ]
+    refined = model.refine(observations)
+    assert refined.refinement["method"] == "pooled"
+    assert all(v == pytest.approx(1.3) for v in refined.refinement["scales"].values())
+    assert refined.refinement["modes_observed"] == ["flat", "packed"]
+    again = refined.refine([([(shapes[2], "dfs")], 2.0 * refined.predict(shapes[2], "dfs")[0])])
+    assert again.refinement["scales"]["dfs"] == pytest.approx(2.0)
+    assert again.refinement["previous"] == refined.refinement
+
+
+def test_old_files_without_fit_info_still_load():
+    data = calibrated_model().to_dict()
+    del data["fit_info"], data["refinement"]
+    model = CostModel.from_dict(data)
+    assert model.fit_info == {} and model.refinement is None
+
+
+@pytest.mark.parametrize(
+    ("observations", "error", "match"),
+    [
+        ([], ValueError, "non-empty list"),
+        ("flat", ValueError, "non-empty list"),
+        ([(1.0,)], ValueError, r"\(parts, seconds\) pair"),
+        ([([], 1.0)], ValueError, "no parts"),
+        ([("SHAPE", -1.0)], ValueError, "seconds must be a finite number > 0"),
+        ([("SHAPE", math.inf)], ValueError, "seconds must be a finite number > 0"),
+        ([("SHAPE", True)], ValueError, "seconds must be a finite number > 0"),
+        ([([("not a shape", "flat")], 1.0)], TypeError, "MicroBatchShape"),
+        ([([("S", "tree")], 1.0)], ValueError, "unknown mode 'tree'"),
+    ],
+)
+def test_refine_rejects_bad_observations(observations, error, match):
+    shape = small_shapes(1, seed=2)[0]
+    fixed = []
+    for obs in observations if isinstance(observations, list) else []:
+        if obs and obs[0] == "SHAPE":
+            obs = ([(shape, "flat")], obs[1])
+        elif obs and isinstance(obs[0], list) and obs[0] and obs[0][0][0] == "S":
+            obs = ([(shape, obs[0][0][1])], obs[1])
+        fixed.append(obs)
+    with pytest.raises(error, match=match):
+        calibrated_model().refine(fixed if isinstance(observations, list) else observations)
+
+
+# ------------------------------------------------------------------------- the distributed probe
+@pytest.fixture
+def one_rank_group(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_probe_times_every_micro_batch_in_the_contending_modes(one_rank_group):
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(50) for _ in range(20)] for _ in range(3)]
+    trie = RolloutTrie.from_sequences(
+        [p + [rng.randrange(50) for _ in range(rng.randint(5, 30))] for p in prompts for _ in range(4)]
+    )
+    model_in = calibrated_model()
+    model_in.time["packed"] = list(model_in.time["flat"])  # flat and packed contend,
+    model_in.time["dfs"] = [10.0, 0.0, 0.0, 0.0]  # dfs never does
+    refined, probe = refine_cost_model(model, trie, model_in, mode="auto", block_tokens=16, token_budget=100)
+    micro_batches = plan_micro_batches(trie, 100)
+    assert probe["micro_batches"] == len(micro_batches) >= 2
+    probed = {(t["micro_batch"], t["mode"]) for t in probe["timings"]}
+    assert {i for i, _ in probed} == set(range(len(micro_batches)))
+    assert {m for _, m in probed} == {"flat", "packed"}
+    assert refined.refinement["observations"] == len(probe["timings"])
+    assert all(s > 0 for s in refined.refinement["scales"].values())
+    assert all(torch.all(p.grad == 7.0) for p in model.parameters())  # gradients restored
+    # the calibration's prediction of what the refined plan runs; equal to the plan's own without a refit
+    report = balance(trie, 1, BEST, cost=EngineCost(model_in, block_tokens=16), token_budget=100)
+    again = predicted_for_modes_run(
+        model_in, model_in, report.shares[0].micro_batches, mode="auto", block_tokens=16, token_budget=100
+    )
+    assert again == pytest.approx(report.shares[0].cost, rel=1e-12)
