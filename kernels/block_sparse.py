@@ -11,36 +11,61 @@ A vertical-slash pattern (``treeattn_lab.patterns.vertical_slash``) reaches the 
    a dense FlashAttention tile. The diagonal tile (the row's last entry) runs with the causal mask.
 2. **bars**: the head's vertical columns that lie in no selected tile. They were gathered beforehand
    into a dense per-head buffer ``bar_k, bar_v [H, nb, D]`` (sorted by position), so the kernel reads
-   them in chunks of ``BAR`` rows (128 on a GPU) with plain contiguous loads; per element it masks the
-   causal rule (``pos <= q``) and the columns a selected tile already covers (one byte per column from
-   ``bar_skip``).
+   them in chunks with plain contiguous loads.
 
 Everything else is skipped without being loaded. Positions are *global* (``q_blocks`` / ``k_blocks``
 map local blocks to global ones), so the same kernel computes one step of ring attention: a rank's
 queries against the keys it holds at that step.
 
-Forward (one program per query block and query head)
-----------------------------------------------------
+Clean and masked bar chunks
+---------------------------
+A bar column needs an element mask only where it is not simply visible: a column after the block's
+first query (causal rule), one inside a tile the row already selected (``bar_skip``: it must not count
+twice) or padding. Bars are sorted by position, so for query block ``i`` the first ``clean[h, i]`` of
+them are visible to every query of the block and lie in no selected tile: those chunks run unmasked,
+like off-diagonal tiles, and only the chunk or two near the diagonal evaluate the mask (a byte lookup
+in ``bar_skip`` per column). The same holds transposed: a chunk of bars is clean for every query block
+from ``clean_from[h, c]`` on. Both are computed once per index (:func:`bar_plan`, cached with it).
+
+Tile shapes
+-----------
+The index's 128-token blocks are the *schedule*; the programs work on smaller pieces of them so that
+their fp32 accumulators and score tiles fit the registers (a 128 x 128 score tile next to two 128 x 128
+accumulators spills): a program owns ``BLOCK_M`` rows of a query block and walks each tile in steps of
+``BLOCK_N`` keys (forward, dQ); the dK/dV program owns ``BLOCK_N`` keys of a key block and walks the
+query blocks in steps of ``BLOCK_M`` queries. :data:`CONFIGS` holds the shapes, warps and stages.
+
+Forward (one program per BLOCK_M queries and query head)
+--------------------------------------------------------
 FlashAttention-2 online softmax in base 2 over the tiles, then the bars, in fp32: per row the running
 maximum ``m``, the running sum ``l`` and the accumulator are rescaled by ``exp2(m_old - m_new)`` when a
-new tile raises the maximum. The output is ``acc / l`` and the log-sum-exp ``lse = m + log2(l)``
+new step raises the maximum. The output is ``acc / l`` and the log-sum-exp ``lse = m + log2(l)``
 (base 2, ``-inf`` for a row that saw nothing) is saved: it recomputes any probability as
 ``p = exp2(s - lse)`` and merges partial results. With ``MERGE`` the kernel folds its partial result
 into a running fp32 output and lse in place (one ring step into the steps before it):
 
     lse = log2(2^lse_old + 2^lse_new),   out = out_old * 2^(lse_old - lse) + out_new * 2^(lse_new - lse).
 
-Backward (FlashAttention-2, three kernels, no atomics)
-------------------------------------------------------
+Backward (FlashAttention-2, two kernels, no atomics by default)
+---------------------------------------------------------------
 ``delta = rowsum(dO * O)``; with ``p`` recomputed from ``lse``: ``dV += p^T dO``, ``dP = dO V^T``,
 ``dS = p * (dP - delta)``, ``dK += dS^T Q * scale``, ``dQ += dS K * scale``.
 
-- dQ: one program per (query block, head) walks the forward's tiles and bars.
-- dK, dV of tiles: one program per (key block, kv head) walks the **transposed** index (query blocks per
-  key block, diagonal first) for each of the G query heads sharing the kv head (grouped-query attention).
-- dK, dV of bars: one program per (chunk of ``BAR`` bar columns, head, split) walks the query blocks from
-  the first that can see the chunk, ``SPLIT`` programs interleaving over them; their fp32 partial sums
-  are added afterwards, and autograd scatters ``d bar_k`` back into ``dK`` through the gather.
+- dQ: one program per (BLOCK_M queries, head) walks the forward's tiles and bars (like the forward,
+  late query blocks first: they see the most bars, and the longest programs should start first).
+- dK, dV: one launch whose programs are of two kinds. *Bar programs* come first (they are the longest:
+  the first chunk is seen by nearly every query block), one per (chunk of bar columns, query head,
+  split): a chunk of gathered bar columns is a key block like any other, walked over the contiguous
+  range of query blocks that see it (masked until ``clean_from``, plain after); with ``SPLIT > 1`` the
+  range is cut in ``SPLIT`` pieces whose fp32 partial sums are added afterwards. *Tile programs*, one
+  per (BLOCK_N keys of a key block, kv head), walk the **transposed** index (query blocks per key
+  block, diagonal first) for each of the G query heads sharing the kv head (grouped-query attention).
+  The bar gradients ``d bar_k, d bar_v`` are scattered back into dK, dV through the gather's rows.
+
+That is 7 dots per (query block, key block) pair: dQ recomputes the scores and dP the dK/dV programs
+already had. With ``dq_atomic`` the dK/dV programs also compute ``dS K`` and add it to an fp32 dQ with
+atomics (as FlashAttention-2/3 do), 5 dots per pair and no dQ kernel, at the price of atomic traffic and
+a dQ that is not bitwise reproducible; the ring's fp32 dQ receives the atomics directly.
 
 Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use IEEE fp32
 dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32 / fp16 there.
@@ -49,6 +74,8 @@ dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -95,73 +122,105 @@ def _row_tiles(ROW_PTR, ROW_IDX, K_BLOCKS, row, q_block):
 
 
 @triton.jit
-def _bar_chunk(BAR_POS, BK, BV, h, c, nbar, skip_row, offs_d, stride_bh, stride_bt,
-               NB, BLOCK: tl.constexpr, BAR: tl.constexpr):
-    """Bar columns ``c .. c + BAR`` of head ``h``: positions, keys, values and which ones to use."""
+def _bar_rows(BAR_POS, BK, BV, h, c, nbar, skip_row, offs_d, stride_bh, stride_bt, NB,
+              BLOCK: tl.constexpr, BAR: tl.constexpr, MASKED: tl.constexpr):
+    """Bar columns ``c .. c + BAR`` of head ``h``: keys, values and (MASKED) positions and which to use.
+
+    Unmasked chunks lie wholly in the clean prefix: every column is real, visible and not in a tile.
+    """
     offs_c = c + tl.arange(0, BAR)
-    valid = offs_c < nbar
-    pos = tl.load(BAR_POS + h * NB + offs_c, mask=valid, other=0)
-    skip = tl.load(skip_row + pos // BLOCK, mask=valid, other=1)
     rows = h * stride_bh + offs_c.to(tl.int64) * stride_bt
-    bk = tl.load(BK + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    bv = tl.load(BV + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    return pos, valid & (skip == 0), bk, bv
+    if MASKED:
+        valid = offs_c < nbar
+        pos = tl.load(BAR_POS + h * NB + offs_c, mask=valid, other=_BAR_PAD)
+        skip = tl.load(skip_row + pos // BLOCK, mask=valid, other=1)
+        bk = tl.load(BK + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        bv = tl.load(BV + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        return bk, bv, pos, valid & (skip == 0)
+    bk = tl.load(BK + rows[:, None] + offs_d[None, :])
+    bv = tl.load(BV + rows[:, None] + offs_d[None, :])
+    return bk, bv, offs_c, offs_c >= 0
 
 
 # --------------------------------------------------------------------------------------- forward
 @triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, qpos, K, V, K_BLOCKS, ROW_IDX, lo, hi, NK, stride_kt, stride_vt, qk_scale,
+               BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """Fold the tiles ``ROW_IDX[lo:hi]`` into the running state, ``BLOCK_N`` keys at a time."""
+    NSUB = BLOCK // BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(lo * NSUB, hi * NSUB):
+        n = tl.load(ROW_IDX + t // NSUB)
+        sub = (t % NSUB) * BLOCK_N
+        keys = n * BLOCK + sub + offs_n
+        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, MASKED)
+        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:  # the diagonal tile: causal mask (and the ragged end of the keys)
+            kpos = tl.load(K_BLOCKS + n) * BLOCK + sub + offs_n
+            s = tl.where((kpos[None, :] <= qpos[:, None]) & (keys < NK)[None, :], s, float("-inf"))
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_bars(acc, m_i, l_i, q, qpos, BAR_POS, BK, BV, skip_row, h, lo, hi, NB, stride_bh, stride_bt,
+              qk_scale, BLOCK: tl.constexpr, BAR: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """Fold the bar columns ``lo .. hi`` of head ``h`` into the running state, ``BAR`` at a time."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for c in range(lo, hi, BAR):
+        bk, bv, pos, use = _bar_rows(BAR_POS, BK, BV, h, c, hi, skip_row, offs_d, stride_bh, stride_bt, NB,
+                                     BLOCK, BAR, MASKED)
+        s = tl.dot(q, tl.trans(bk), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(use[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, bv, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _bsa_fwd(
     Q, K, V, BK, BV, O, LSE,
-    Q_BLOCKS, K_BLOCKS, ROW_PTR, ROW_IDX, BAR_POS, BAR_COUNT, BAR_SKIP,
+    Q_BLOCKS, K_BLOCKS, ROW_PTR, ROW_IDX, BAR_POS, BAR_COUNT, BAR_CLEAN, BAR_SKIP,
     NQ, NK, NQB, NKG, NB,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_bh, stride_bt, qk_scale,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, BAR: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_BARS: tl.constexpr, MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BAR: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BARS: tl.constexpr, MERGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    m = tl.program_id(0)
+    pid = tl.program_id(0)
     h = tl.program_id(1)
-    kv_head = h // GROUP
-    offs_r = tl.arange(0, BLOCK)
+    m = NQB - 1 - pid // (BLOCK // BLOCK_M)  # the query block (late ones first: they see the most bars)
+    offs_r = (pid % (BLOCK // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = m * BLOCK + offs_r
     in_range = rows < NQ
     q_block = tl.load(Q_BLOCKS + m)
-    qpos = q_block * BLOCK + offs_r  # global positions of the block's queries
+    qpos = q_block * BLOCK + offs_r  # global positions of the program's queries
     q = _load_rows(Q + h * stride_qh, rows, stride_qt, offs_d, in_range, True)
-    K += kv_head * stride_kh
-    V += kv_head * stride_vh
-    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK], dtype=tl.float32)
-    acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    K += (h // GROUP) * stride_kh
+    V += (h // GROUP) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     start, full_end, end = _row_tiles(ROW_PTR, ROW_IDX, K_BLOCKS, h * NQB + m, q_block)
-    for it in range(start, full_end):  # tiles every query of the block sees whole: no mask
-        n = tl.load(ROW_IDX + it)
-        keys = n * BLOCK + offs_r
-        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, False)
-        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, False)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
-    for it in range(full_end, end):  # the diagonal tile: causal mask (and the ragged end of the keys)
-        n = tl.load(ROW_IDX + it)
-        keys = n * BLOCK + offs_r
-        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, True)
-        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, True)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        kpos = tl.load(K_BLOCKS + n) * BLOCK + offs_r
-        visible = (kpos[None, :] <= qpos[:, None]) & (keys < NK)[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, qpos, K, V, K_BLOCKS, ROW_IDX, start, full_end, NK,
+                               stride_kt, stride_vt, qk_scale, BLOCK, BLOCK_N, HEAD_DIM, False, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, qpos, K, V, K_BLOCKS, ROW_IDX, full_end, end, NK,
+                               stride_kt, stride_vt, qk_scale, BLOCK, BLOCK_N, HEAD_DIM, True, DOT_PRECISION)
     if HAS_BARS:
         nbar = tl.load(BAR_COUNT + h * NQB + m)
+        clean = tl.load(BAR_CLEAN + h * NQB + m)
+        clean -= clean % BAR  # whole chunks only
         skip_row = BAR_SKIP + (h * NQB + m).to(tl.int64) * NKG
-        for c in range(0, nbar, BAR):
-            pos, use, bk, bv = _bar_chunk(BAR_POS, BK, BV, h, c, nbar, skip_row, offs_d,
-                                          stride_bh, stride_bt, NB, BLOCK, BAR)
-            s = tl.dot(q, tl.trans(bk), input_precision=DOT_PRECISION) * qk_scale
-            visible = use[None, :] & (pos[None, :] <= qpos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, bv, DOT_PRECISION)
+        acc, m_i, l_i = _fwd_bars(acc, m_i, l_i, q, qpos, BAR_POS, BK, BV, skip_row, h, 0, clean, NB,
+                                  stride_bh, stride_bt, qk_scale, BLOCK, BAR, HEAD_DIM, False, DOT_PRECISION)
+        acc, m_i, l_i = _fwd_bars(acc, m_i, l_i, q, qpos, BAR_POS, BK, BV, skip_row, h, clean, nbar, NB,
+                                  stride_bh, stride_bt, qk_scale, BLOCK, BAR, HEAD_DIM, True, DOT_PRECISION)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = m_i + tl.log2(l_safe)  # -inf where the row saw nothing
@@ -209,19 +268,58 @@ def _dq_step(dq, q, do, lse, delta, k, v, visible, qk_scale, MASKED: tl.constexp
 
 
 @triton.jit
+def _dq_tiles(dq, q, do, lse, delta, qpos, K, V, K_BLOCKS, ROW_IDX, lo, hi, NK, stride_kt, stride_vt,
+              qk_scale, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the tiles ``ROW_IDX[lo:hi]``'s share of dQ, ``BLOCK_N`` keys at a time."""
+    NSUB = BLOCK // BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(lo * NSUB, hi * NSUB):
+        n = tl.load(ROW_IDX + t // NSUB)
+        sub = (t % NSUB) * BLOCK_N
+        keys = n * BLOCK + sub + offs_n
+        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, MASKED)
+        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, MASKED)
+        visible = None
+        if MASKED:
+            kpos = tl.load(K_BLOCKS + n) * BLOCK + sub + offs_n
+            visible = (kpos[None, :] <= qpos[:, None]) & (keys < NK)[None, :]
+        dq = _dq_step(dq, q, do, lse, delta, k, v, visible, qk_scale, MASKED, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_bars(dq, q, do, lse, delta, qpos, BAR_POS, BK, BV, skip_row, h, lo, hi, NB, stride_bh, stride_bt,
+             qk_scale, BLOCK: tl.constexpr, BAR: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    """Add the bar columns ``lo .. hi``'s share of dQ, ``BAR`` at a time."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for c in range(lo, hi, BAR):
+        bk, bv, pos, use = _bar_rows(BAR_POS, BK, BV, h, c, hi, skip_row, offs_d, stride_bh, stride_bt, NB,
+                                     BLOCK, BAR, MASKED)
+        visible = None
+        if MASKED:
+            visible = use[None, :] & (pos[None, :] <= qpos[:, None])
+        dq = _dq_step(dq, q, do, lse, delta, bk, bv, visible, qk_scale, MASKED, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
 def _bsa_bwd_dq(
     Q, K, V, BK, BV, DO, LSE, DELTA, DQ,
-    Q_BLOCKS, K_BLOCKS, ROW_PTR, ROW_IDX, BAR_POS, BAR_COUNT, BAR_SKIP,
+    Q_BLOCKS, K_BLOCKS, ROW_PTR, ROW_IDX, BAR_POS, BAR_COUNT, BAR_CLEAN, BAR_SKIP,
     NQ, NK, NQB, NKG, NB,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_bh, stride_bt, qk_scale, scale,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, BAR: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_BARS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BAR: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BARS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    m = tl.program_id(0)
+    pid = tl.program_id(0)
     h = tl.program_id(1)
-    kv_head = h // GROUP
-    offs_r = tl.arange(0, BLOCK)
+    m = NQB - 1 - pid // (BLOCK // BLOCK_M)  # late query blocks first, as in the forward
+    offs_r = (pid % (BLOCK // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = m * BLOCK + offs_r
     in_range = rows < NQ
@@ -231,32 +329,23 @@ def _bsa_bwd_dq(
     do = _load_rows(DO + h * stride_doh, rows, stride_dot, offs_d, in_range, True)
     lse = tl.load(LSE + h * NQ + rows, mask=in_range, other=0.0)
     delta = tl.load(DELTA + h * NQ + rows, mask=in_range, other=0.0)
-    K += kv_head * stride_kh
-    V += kv_head * stride_vh
-    dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    K += (h // GROUP) * stride_kh
+    V += (h // GROUP) * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     start, full_end, end = _row_tiles(ROW_PTR, ROW_IDX, K_BLOCKS, h * NQB + m, q_block)
-    for it in range(start, full_end):
-        n = tl.load(ROW_IDX + it)
-        keys = n * BLOCK + offs_r
-        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, False)
-        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, False)
-        dq = _dq_step(dq, q, do, lse, delta, k, v, None, qk_scale, False, DOT_PRECISION)
-    for it in range(full_end, end):
-        n = tl.load(ROW_IDX + it)
-        keys = n * BLOCK + offs_r
-        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, True)
-        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, True)
-        kpos = tl.load(K_BLOCKS + n) * BLOCK + offs_r
-        visible = (kpos[None, :] <= qpos[:, None]) & (keys < NK)[None, :]
-        dq = _dq_step(dq, q, do, lse, delta, k, v, visible, qk_scale, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, qpos, K, V, K_BLOCKS, ROW_IDX, start, full_end, NK, stride_kt,
+                   stride_vt, qk_scale, BLOCK, BLOCK_N, HEAD_DIM, False, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, qpos, K, V, K_BLOCKS, ROW_IDX, full_end, end, NK, stride_kt,
+                   stride_vt, qk_scale, BLOCK, BLOCK_N, HEAD_DIM, True, DOT_PRECISION)
     if HAS_BARS:
         nbar = tl.load(BAR_COUNT + h * NQB + m)
+        clean = tl.load(BAR_CLEAN + h * NQB + m)
+        clean -= clean % BAR
         skip_row = BAR_SKIP + (h * NQB + m).to(tl.int64) * NKG
-        for c in range(0, nbar, BAR):
-            pos, use, bk, bv = _bar_chunk(BAR_POS, BK, BV, h, c, nbar, skip_row, offs_d,
-                                          stride_bh, stride_bt, NB, BLOCK, BAR)
-            visible = use[None, :] & (pos[None, :] <= qpos[:, None])
-            dq = _dq_step(dq, q, do, lse, delta, bk, bv, visible, qk_scale, True, DOT_PRECISION)
+        dq = _dq_bars(dq, q, do, lse, delta, qpos, BAR_POS, BK, BV, skip_row, h, 0, clean, NB, stride_bh,
+                      stride_bt, qk_scale, BLOCK, BAR, HEAD_DIM, False, DOT_PRECISION)
+        dq = _dq_bars(dq, q, do, lse, delta, qpos, BAR_POS, BK, BV, skip_row, h, clean, nbar, NB, stride_bh,
+                      stride_bt, qk_scale, BLOCK, BAR, HEAD_DIM, True, DOT_PRECISION)
     dq = dq * scale
     dq_ptrs = DQ + h * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqt + offs_d[None, :]
     if ACCUMULATE:
@@ -265,72 +354,93 @@ def _bsa_bwd_dq(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, i, kpos, key_ok, offs_r, offs_d, NQ, Q_BLOCKS,
-               stride_qt, stride_dot, qk_scale, BLOCK: tl.constexpr, MASKED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """Add query block ``i``'s share of a key block's dK, dV (transposed scores ``[keys, queries]``)."""
-    rows = i * BLOCK + offs_r
-    in_range = rows < NQ
-    q = _load_rows(Q, rows, stride_qt, offs_d, in_range, True)
-    do = _load_rows(DO, rows, stride_dot, offs_d, in_range, True)
-    lse = tl.load(LSE + rows, mask=in_range, other=0.0)
-    delta = tl.load(DELTA + rows, mask=in_range, other=0.0)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-    p_t = tl.exp2(s_t - lse[None, :])
-    if MASKED:
-        qpos = tl.load(Q_BLOCKS + i) * BLOCK + offs_r
-        visible = (kpos[:, None] <= qpos[None, :]) & key_ok[:, None] & in_range[None, :]
-        p_t = tl.where(visible, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+def _dkdv_queries(dk, dv, k, v, kpos, key_ok, kblock, Q, DO, LSE, DELTA, DQ, Q_BLOCKS, COL_IDX, skip_base,
+                  lo, hi, NQ, NKG, stride_qt, stride_dot, stride_dqt, qk_scale, scale, BLOCK: tl.constexpr,
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                  FROM_LIST: tl.constexpr, SKIP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Add the share of query blocks ``lo .. hi`` (``COL_IDX[lo:hi]`` with FROM_LIST) to a key chunk's
+    dK, dV, ``BLOCK_M`` queries at a time (transposed scores ``[keys, queries]``).
+
+    MASKED evaluates the causal rule per element from the keys' positions ``kpos`` and drops keys not
+    ``key_ok``; with SKIP (bar columns) also those inside a tile the query block selected. ATOMIC_DQ
+    also adds the queries' dQ share ``dS K * scale`` into the fp32 ``DQ`` with atomics.
+    """
+    NSUB = BLOCK // BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(lo * NSUB, hi * NSUB):
+        i = tl.load(COL_IDX + t // NSUB) if FROM_LIST else t // NSUB  # the query block
+        sub = (t % NSUB) * BLOCK_M
+        rows = i * BLOCK + sub + offs_m
+        in_range = rows < NQ
+        q = _load_rows(Q, rows, stride_qt, offs_d, in_range, True)
+        do = _load_rows(DO, rows, stride_dot, offs_d, in_range, True)
+        lse = tl.load(LSE + rows, mask=in_range, other=0.0)
+        delta = tl.load(DELTA + rows, mask=in_range, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        p_t = tl.exp2(s_t - lse[None, :])
+        if MASKED:
+            qpos = tl.load(Q_BLOCKS + i) * BLOCK + sub + offs_m
+            ok = key_ok
+            if SKIP:
+                ok = ok & (tl.load(skip_base + i * NKG + kblock, mask=key_ok, other=1) == 0)
+            visible = (kpos[:, None] <= qpos[None, :]) & ok[:, None] & in_range[None, :]
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
+            dq_ptrs = DQ + rows.to(tl.int64)[:, None] * stride_dqt + offs_d[None, :]
+            tl.atomic_add(dq_ptrs, dq, mask=in_range[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bsa_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    Q_BLOCKS, K_BLOCKS, COL_PTR, COL_IDX,
-    NQ, NK, NKB,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, qk_scale, scale,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    n = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    offs_r = tl.arange(0, BLOCK)
+def _tile_dkdv(tid, Q, K, V, DO, LSE, DELTA, DQ, DK, DV, Q_BLOCKS, K_BLOCKS, COL_PTR, COL_IDX,
+               NQ, NK, NKB, NKG, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+               stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+               qk_scale, scale, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr,
+               ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A tile program: dK, dV of ``BLOCK_N`` keys of one key block and kv head, over every query head
+    of its group and the query blocks whose tiles hold the key block (the transposed index)."""
+    NPART = BLOCK // BLOCK_N
+    n = (tid // NPART) % NKB
+    kv_head = tid // (NPART * NKB)
+    offs_n = (tid % NPART) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    keys = n * BLOCK + offs_r
+    keys = n * BLOCK + offs_n
     key_ok = keys < NK
     k_block = tl.load(K_BLOCKS + n)
-    kpos = k_block * BLOCK + offs_r
+    kpos = k_block * BLOCK + offs_n
     k = _load_rows(K + kv_head * stride_kh, keys, stride_kt, offs_d, key_ok, True)
     v = _load_rows(V + kv_head * stride_vh, keys, stride_vt, offs_d, key_ok, True)
-    dk = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(GROUP):  # the query heads sharing this kv head
         h = kv_head * GROUP + g
-        Qh = Q + h * stride_qh
-        DOh = DO + h * stride_doh
-        LSEh = LSE + h * NQ
-        DELTAh = DELTA + h * NQ
         col = h * NKB + n
         start = tl.load(COL_PTR + col)
         end = tl.load(COL_PTR + col + 1)
         has = end > start
         first = tl.load(COL_IDX + start, mask=has, other=0)
-        diag = has & (tl.load(Q_BLOCKS + first, mask=has, other=-1) == k_block)
-        full_start = start + diag.to(tl.int32)
-        for it in range(start, full_start):  # the diagonal tile: causal mask
-            i = tl.load(COL_IDX + it)
-            dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, i, kpos, key_ok, offs_r, offs_d, NQ,
-                                Q_BLOCKS, stride_qt, stride_dot, qk_scale, BLOCK, True, DOT_PRECISION)
-        for it in range(full_start, end):
-            i = tl.load(COL_IDX + it)
-            dk, dv = _dkdv_step(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, i, kpos, key_ok, offs_r, offs_d, NQ,
-                                Q_BLOCKS, stride_qt, stride_dot, qk_scale, BLOCK, False, DOT_PRECISION)
+        full_start = start + (has & (tl.load(Q_BLOCKS + first, mask=has, other=-1) == k_block)).to(tl.int32)
+        Qh = Q + h * stride_qh
+        DOh = DO + h * stride_doh
+        DQh = DQ + h * stride_dqh
+        LSEh = LSE + h * NQ
+        DELTAh = DELTA + h * NQ
+        dk, dv = _dkdv_queries(dk, dv, k, v, kpos, key_ok, kpos, Qh, DOh, LSEh, DELTAh, DQh, Q_BLOCKS,
+                               COL_IDX, COL_IDX, start, full_start, NQ, NKG, stride_qt, stride_dot,
+                               stride_dqt, qk_scale, scale, BLOCK, BLOCK_M, HEAD_DIM, True, True, False,
+                               ATOMIC_DQ, DOT_PRECISION)  # the diagonal tile: causal mask
+        dk, dv = _dkdv_queries(dk, dv, k, v, kpos, key_ok, kpos, Qh, DOh, LSEh, DELTAh, DQh, Q_BLOCKS,
+                               COL_IDX, COL_IDX, full_start, end, NQ, NKG, stride_qt, stride_dot, stride_dqt,
+                               qk_scale, scale, BLOCK, BLOCK_M, HEAD_DIM, False, True, False, ATOMIC_DQ,
+                               DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK + kv_head * stride_dkh + keys.to(tl.int64)[:, None] * stride_dkt + offs_d[None, :]
     dv_ptrs = DV + kv_head * stride_dvh + keys.to(tl.int64)[:, None] * stride_dvt + offs_d[None, :]
@@ -342,66 +452,139 @@ def _bsa_bwd_dkdv(
 
 
 @triton.jit
-def _bsa_bwd_bars(
-    Q, BK, BV, DO, LSE, DELTA, DBK, DBV,
-    Q_BLOCKS, BAR_POS, BAR_SKIP, BAR_FIRST,
-    NQ, NQB, NKG, NB, NCHUNK,
-    stride_qt, stride_qh, stride_dot, stride_doh, stride_bh, stride_bt, qk_scale,
-    BLOCK: tl.constexpr, BAR: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """dK, dV of one chunk of bar columns of one head, over every query block that can see it."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    part = tl.program_id(2)
-    offs_r = tl.arange(0, BLOCK)
+def _bar_dkdv(bid, Q, BK, BV, DO, LSE, DELTA, DQ, DBK, DBV, Q_BLOCKS, BAR_POS, BAR_SKIP, BAR_FIRST,
+              BAR_CLEAN_FROM, NQ, NQB, NKG, NB, NCHUNK, HQ, stride_qt, stride_qh, stride_dot, stride_doh,
+              stride_dqt, stride_dqh, stride_bh, stride_bt, qk_scale, scale, BLOCK: tl.constexpr,
+              BLOCK_M: tl.constexpr, BAR_KV: tl.constexpr, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
+              ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A bar program: d bar_k, d bar_v of ``BAR_KV`` gathered columns of one query head, over its piece
+    of the contiguous range of query blocks that see them; written in fp32 to ``DBK[part, h]``."""
+    part = bid % SPLIT
+    h = (bid // SPLIT) % HQ
+    c = bid // (SPLIT * HQ)
+    offs_c = c * BAR_KV + tl.arange(0, BAR_KV)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_c = c * BAR + tl.arange(0, BAR)
     pos = tl.load(BAR_POS + h * NB + offs_c, mask=offs_c < NB, other=_BAR_PAD)
     valid = pos != _BAR_PAD
+    kblock = tl.where(valid, pos // BLOCK, 0)
     rows_b = h * stride_bh + offs_c.to(tl.int64) * stride_bt
     bk = tl.load(BK + rows_b[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     bv = tl.load(BV + rows_b[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    kblock = tl.where(valid, pos // BLOCK, 0)
-    dk = tl.zeros([BAR, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BAR, HEAD_DIM], dtype=tl.float32)
+    first = tl.load(BAR_FIRST + h * NCHUNK + c)
+    clean_from = tl.load(BAR_CLEAN_FROM + h * NCHUNK + c)
+    per = (NQB - first + SPLIT - 1) // SPLIT
+    lo = tl.minimum(first + part * per, NQB)
+    hi = tl.minimum(lo + per, NQB)
+    mid = tl.minimum(tl.maximum(clean_from, lo), hi)
+    dk = tl.zeros([BAR_KV, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BAR_KV, HEAD_DIM], dtype=tl.float32)
     Qh = Q + h * stride_qh
     DOh = DO + h * stride_doh
-    first = tl.load(BAR_FIRST + h * NCHUNK + c)
-    for i in range(first + part, NQB, SPLIT):
-        rows = i * BLOCK + offs_r
-        in_range = rows < NQ
-        qpos = tl.load(Q_BLOCKS + i) * BLOCK + offs_r
-        q = _load_rows(Qh, rows, stride_qt, offs_d, in_range, True)
-        do = _load_rows(DOh, rows, stride_dot, offs_d, in_range, True)
-        lse = tl.load(LSE + h * NQ + rows, mask=in_range, other=0.0)
-        delta = tl.load(DELTA + h * NQ + rows, mask=in_range, other=0.0)
-        skip = tl.load(BAR_SKIP + (h * NQB + i).to(tl.int64) * NKG + kblock, mask=valid, other=1)
-        use = valid & (skip == 0)
-        s_t = tl.dot(bk, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BAR, BLOCK]
-        p_t = tl.exp2(s_t - lse[None, :])
-        visible = use[:, None] & (pos[:, None] <= qpos[None, :]) & in_range[None, :]
-        p_t = tl.where(visible, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(bv, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    out = (part * (NB * tl.num_programs(1)) + h * NB + offs_c).to(tl.int64)  # [SPLIT, H, NB, D] fp32
+    DQh = DQ + h * stride_dqh
+    LSEh = LSE + h * NQ
+    DELTAh = DELTA + h * NQ
+    skip_base = BAR_SKIP + (h * NQB).to(tl.int64) * NKG
+    dk, dv = _dkdv_queries(dk, dv, bk, bv, pos, valid, kblock, Qh, DOh, LSEh, DELTAh, DQh, Q_BLOCKS,
+                           BAR_FIRST, skip_base, lo, mid, NQ, NKG, stride_qt, stride_dot, stride_dqt,
+                           qk_scale, scale, BLOCK, BLOCK_M, HEAD_DIM, True, False, True, ATOMIC_DQ,
+                           DOT_PRECISION)
+    # from clean_from on, every real column is visible and in no tile; padding rows (zero keys and values)
+    # collect garbage in dK, dV, zeroed below, and add nothing to dQ (their key row is zero)
+    dk, dv = _dkdv_queries(dk, dv, bk, bv, pos, valid, kblock, Qh, DOh, LSEh, DELTAh, DQh, Q_BLOCKS,
+                           BAR_FIRST, skip_base, mid, hi, NQ, NKG, stride_qt, stride_dot, stride_dqt,
+                           qk_scale, scale, BLOCK, BLOCK_M, HEAD_DIM, False, False, False, ATOMIC_DQ,
+                           DOT_PRECISION)
+    dk = tl.where(valid[:, None], dk * scale, 0.0)
+    dv = tl.where(valid[:, None], dv, 0.0)
+    out = (part * (NB * HQ) + h * NB + offs_c).to(tl.int64)  # [SPLIT, H, NB, D] fp32
     mask = (offs_c < NB)[:, None]
     tl.store(DBK + out[:, None] * HEAD_DIM + offs_d[None, :], dk, mask=mask)
     tl.store(DBV + out[:, None] * HEAD_DIM + offs_d[None, :], dv, mask=mask)
 
 
+@triton.jit
+def _bsa_bwd_dkdv(
+    Q, K, V, BK, BV, DO, LSE, DELTA, DQ, DK, DV, DBK, DBV,
+    Q_BLOCKS, K_BLOCKS, COL_PTR, COL_IDX, BAR_POS, BAR_SKIP, BAR_FIRST, BAR_CLEAN_FROM,
+    NQ, NK, NQB, NKB, NKG, NB, NCHUNK, HQ, BAR_PROGRAMS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt,
+    stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_bh, stride_bt, qk_scale, scale,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BAR_KV: tl.constexpr, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BARS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV (and with ATOMIC_DQ dQ) in one launch: ``BAR_PROGRAMS`` bar programs (longest first),
+    then the tile programs."""
+    pid = tl.program_id(0)
+    if HAS_BARS:
+        if pid < BAR_PROGRAMS:
+            _bar_dkdv(pid, Q, BK, BV, DO, LSE, DELTA, DQ, DBK, DBV, Q_BLOCKS, BAR_POS, BAR_SKIP, BAR_FIRST,
+                      BAR_CLEAN_FROM, NQ, NQB, NKG, NB, NCHUNK, HQ, stride_qt, stride_qh, stride_dot,
+                      stride_doh, stride_dqt, stride_dqh, stride_bh, stride_bt, qk_scale, scale, BLOCK,
+                      BLOCK_M, BAR_KV, SPLIT, HEAD_DIM, ATOMIC_DQ, DOT_PRECISION)
+        else:
+            _tile_dkdv(pid - BAR_PROGRAMS, Q, K, V, DO, LSE, DELTA, DQ, DK, DV, Q_BLOCKS, K_BLOCKS, COL_PTR,
+                       COL_IDX, NQ, NK, NKB, NKG, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                       stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh,
+                       stride_dvt, stride_dvh, qk_scale, scale, GROUP, BLOCK, BLOCK_M, BLOCK_N, HEAD_DIM,
+                       ACCUMULATE, ATOMIC_DQ, DOT_PRECISION)
+    else:
+        _tile_dkdv(pid, Q, K, V, DO, LSE, DELTA, DQ, DK, DV, Q_BLOCKS, K_BLOCKS, COL_PTR, COL_IDX,
+                   NQ, NK, NKB, NKG, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt,
+                   stride_dvh, qk_scale, scale, GROUP, BLOCK, BLOCK_M, BLOCK_N, HEAD_DIM, ACCUMULATE,
+                   ATOMIC_DQ, DOT_PRECISION)
+
+
 # --------------------------------------------------------------------------------------- launchers
-# (num_warps, num_stages) per kernel and the bar chunk, chosen with `python -m treeattn_lab bench sparse
-# --tune` on an H200 (bench/results/sparse__*.json); the interpreter ignores warps and stages.
+# Per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages): forward and dQ programs own BLOCK_M queries and
+# step BLOCK_N keys at a time; dK/dV programs own BLOCK_N keys and step BLOCK_M queries at a time. "bar":
+# bar columns per step of the forward and dQ (default: their BLOCK_N); "bar_kv": bar columns per dK/dV
+# bar program (default: its BLOCK_N); "split": pieces per bar chunk's query range (default: enough to
+# keep the longest bar program short next to the launch's total work); "dq_atomic": the dK/dV programs
+# also add dQ (fp32 atomics, 5 dots per tile instead of 7, not bitwise deterministic) and no dQ kernel
+# runs. Shapes are capped at the index's block size. None of these spills registers on sm_90 (ptxas,
+# Triton 3.6); `python -m treeattn_lab bench sparse --tune` times alternatives on an H200. The
+# interpreter ignores warps and stages.
 CONFIGS = {
-    "fwd": (8, 3),
-    "dq": (8, 2),
-    "dkdv": (8, 2),
-    "bars": (8, 2),
-    "bar": 128,  # bar columns per chunk
+    "fwd": (128, 64, 8, 3),
+    "dq": (128, 64, 8, 2),
+    "dkdv": (32, 128, 8, 2),
+    "bar": None,
+    "bar_kv": None,
+    "split": None,
+    "dq_atomic": False,
 }
+_SHAPES = ("fwd", "dq", "dkdv")
+
+
+def _resolve(config, block: int) -> dict:
+    """:data:`CONFIGS` updated with ``config``, checked, tile sizes capped at the index's block size."""
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(CONFIGS))
+    if unknown:
+        raise ValueError(f"unknown block-sparse config keys {unknown}; known: {sorted(CONFIGS)}")
+    cfg = {**CONFIGS, **config}
+    for name in _SHAPES:
+        shape = cfg[name]
+        if not isinstance(shape, tuple | list) or len(shape) != 4 or not all(
+                isinstance(x, int) and x > 0 for x in shape):
+            raise ValueError(f"config {name!r} must be (BLOCK_M, BLOCK_N, num_warps, num_stages), "
+                             f"got {shape!r}")
+    if not isinstance(cfg["dq_atomic"], bool):
+        raise ValueError(f"config 'dq_atomic' must be True or False, got {cfg['dq_atomic']!r}")
+    for name in ("bar", "bar_kv", "split"):
+        if cfg[name] is not None and (not isinstance(cfg[name], int) or cfg[name] < 1):
+            raise ValueError(f"config {name!r} must be a positive int or None, got {cfg[name]!r}")
+    sizes = [(f"{n} tile", x) for n in _SHAPES for x in cfg[n][:2]] + [(n, cfg[n]) for n in ("bar", "bar_kv")]
+    for name, value in sizes:
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"config {name} size {value} must be a power of two >= 16 (tl.dot needs 16)")
+    for name in _SHAPES:  # a program never spans more than one block of the index
+        bm, bn, warps, stages = cfg[name]
+        cfg[name] = (min(bm, block), min(bn, block), warps, stages)
+    cfg["bar_kv"] = min(cfg["bar_kv"] or cfg["dkdv"][1], block)  # like a key block's dK/dV program
+    return cfg
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -418,33 +601,122 @@ def check_inputs(q, k, v, index) -> None:
         raise ValueError(f"the index has {index.num_heads} heads but q has {q.shape[1]}")
 
 
+# --------------------------------------------------------------------------------------- bar plans
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # index -> {key: plan}, dies with the index
+
+
+def _cached(index, key, build):
+    plans = _PLANS.setdefault(index, {})
+    if key not in plans:
+        plans[key] = build()
+    return plans[key]
+
+
+@dataclass
+class BarPlan:
+    """What the kernels read about an index's bar columns besides the index itself (built once).
+
+    ``clean [H, nQ]``: per query block, how many leading bars every query of the block sees and no
+    selected tile covers (their chunks run unmasked). Per chunk of ``bar_kv`` bars, ``first [H, nc]``:
+    the first query block that sees the chunk; ``clean_from [H, nc]``: from which query block on the
+    chunk is clean for every later block. ``pairs`` / ``longest``: (query block, chunk) pairs in all /
+    in the longest chunk, which size the dK/dV launch.
+    """
+
+    clean: torch.Tensor
+    first: torch.Tensor
+    clean_from: torch.Tensor
+    pairs: int
+    longest: int
+
+
+def _bar_conflicts(index, h: int) -> torch.Tensor:
+    """``[nQ, nb]`` bool: bar ``b`` of head ``h`` needs a mask in query block ``i`` (after its first
+    query, inside a tile the row selected, or padding)."""
+    pos = index.bar_pos[h].long()
+    q_first = index.q_blocks.long() * index.block_size
+    kblock = torch.where(pos == BAR_PAD, 0, pos // index.block_size)
+    in_tile = index.bar_skip[h].index_select(1, kblock).bool()  # [nQ, nb]
+    return in_tile | (pos[None, :] > q_first[:, None])  # padding (BAR_PAD) is after every query
+
+
+def bar_plan(index, bar_kv: int) -> BarPlan:
+    """The :class:`BarPlan` of ``index`` for dK/dV chunks of ``bar_kv`` bars (cached with the index)."""
+    return _cached(index, ("bar_plan", bar_kv), lambda: _build_bar_plan(index, bar_kv))
+
+
+def _build_bar_plan(index, bar_kv: int) -> BarPlan:
+    heads, nb = index.bar_pos.shape
+    nqb = index.q_blocks.numel()
+    bs = index.block_size
+    nchunk = triton.cdiv(nb, bar_kv)
+    q_last = index.q_blocks.long() * bs + bs - 1
+    if nqb:
+        q_last[-1] -= nqb * bs - index.num_q  # the ragged last block
+    blocks = torch.arange(nqb, device=q_last.device)
+    clean, clean_from = [], []
+    for h in range(heads):
+        conflicts = _bar_conflicts(index, h)
+        none = ~conflicts.any(1)
+        clean.append(torch.where(none, nb, conflicts.to(torch.uint8).argmax(1)))
+        real = index.bar_pos[h] != BAR_PAD  # padding rows are zeroed at the end, no mask needed
+        per_chunk = torch.nn.functional.pad(conflicts & real, (0, nchunk * bar_kv - nb))
+        per_chunk = per_chunk.view(nqb, nchunk, bar_kv).any(2)  # [nQ, nc]
+        clean_from.append(torch.where(per_chunk, blocks[:, None], -1).amax(0) + 1)
+    chunk_min = index.bar_pos[:, ::bar_kv].long()  # [H, nc]: the smallest position of each chunk
+    first = torch.searchsorted(q_last, chunk_min.contiguous())
+    clean_from = torch.maximum(torch.stack(clean_from), first)
+    seen = nqb - first
+    return BarPlan(clean=torch.stack(clean).to(torch.int32).contiguous(),
+                   first=first.to(torch.int32).contiguous(),
+                   clean_from=clean_from.to(torch.int32).contiguous(), pairs=int(seen.sum()),
+                   longest=int(seen.max()))
+
+
+def _gather_rows(index, group: int):
+    """Key rows and kv heads ``[Hq, nb]``, ``[Hq, 1]`` of the bar columns (padding reads row 0)."""
+    def build():
+        cols = torch.where(index.bar_pos == BAR_PAD, 0, index.bar_pos).long()
+        kv_head = (torch.arange(index.num_heads, device=cols.device) // group)[:, None]
+        return cols, kv_head
+
+    return _cached(index, ("gather", group), build)
+
+
 def gather_bars(k, v, index):
     """The bar columns' keys and values per query head, ``[Hq, nb, D]`` each (differentiable gather).
 
     Columns are the global positions ``index.bar_pos``; on one GPU they index ``k`` directly. Padding
     reads row 0 (the kernels mask it).
     """
-    hq = index.num_heads
     if index.bar_pos is None:
-        empty = k.new_zeros(hq, 0, k.shape[-1])
+        empty = k.new_zeros(index.num_heads, 0, k.shape[-1])
         return empty, empty
-    group = hq // k.shape[1]
-    cols = torch.where(index.bar_pos == BAR_PAD, 0, index.bar_pos).long()  # [Hq, nb]
-    kv_head = (torch.arange(hq, device=k.device) // group)[:, None]
+    cols, kv_head = _gather_rows(index, index.num_heads // k.shape[1])
     return k[cols, kv_head], v[cols, kv_head]
 
 
-def _common(index, q):
+def prepare(index, config=None) -> None:
+    """Build and cache everything the kernels derive from ``index`` (a benchmark times it apart)."""
+    cfg = _resolve(config, index.block_size)
+    if index.bar_pos is not None:
+        bar_plan(index, cfg["bar_kv"])
+
+
+# --------------------------------------------------------------------------------------- launches
+def _bar_args(index, device, bar_kv):
+    """Bar tensors for a launch (dummies without bars) and the plan."""
+    if index.bar_pos is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return (dummy,) * 6, None
+    plan = bar_plan(index, bar_kv)
+    return (index.bar_pos, index.bar_count, plan.clean, index.bar_skip, plan.first, plan.clean_from), plan
+
+
+def _common(index):
     return dict(NQ=index.num_q, NQB=index.q_blocks.numel(),
                 NKG=0 if index.bar_skip is None else index.bar_skip.shape[-1],
                 NB=0 if index.bar_pos is None else index.bar_pos.shape[1])
-
-
-def _bar_args(index, device):
-    if index.bar_pos is None:
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return dummy, dummy, dummy
-    return index.bar_pos, index.bar_count, index.bar_skip
 
 
 def sparse_forward(q, k, v, bar_k, bar_v, index, *, scale: float, state=None, config=None):
@@ -454,7 +726,9 @@ def sparse_forward(q, k, v, bar_k, bar_v, index, *, scale: float, state=None, co
     With ``state=(out_fp32 [Nq, Hq, D], lse2)`` the call merges into that running state in place (a ring
     step) and returns it.
     """
-    cfg = {**CONFIGS, **(config or {})}
+    bs = index.block_size
+    cfg = _resolve(config, bs)
+    bm, bn, warps, stages = cfg["fwd"]
     nq, hq, d = q.shape
     has_bars = index.bar_pos is not None and bar_k.shape[1] > 0
     if state is None:
@@ -462,19 +736,19 @@ def sparse_forward(q, k, v, bar_k, bar_v, index, *, scale: float, state=None, co
         lse = torch.empty((hq, nq), device=q.device, dtype=torch.float32)
     else:
         o, lse = state
-    bar_pos, bar_count, bar_skip = _bar_args(index, q.device)
+    (bar_pos, bar_count, bar_clean, bar_skip, _, _), _ = _bar_args(index, q.device, cfg["bar_kv"])
     bk = bar_k if has_bars else q.new_zeros(1, 1, d)
     bv = bar_v if has_bars else q.new_zeros(1, 1, d)
-    warps, stages = cfg["fwd"]
-    _bsa_fwd[(index.q_blocks.numel(), hq)](
+    _bsa_fwd[(index.q_blocks.numel() * (bs // bm), hq)](
         q, k, v, bk, bv, o, lse,
-        index.q_blocks, index.k_blocks, index.row_ptr, index.row_idx, bar_pos, bar_count, bar_skip,
-        NK=index.num_k, **_common(index, q),
+        index.q_blocks, index.k_blocks, index.row_ptr, index.row_idx, bar_pos, bar_count, bar_clean, bar_skip,
+        NK=index.num_k, **_common(index),
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
         stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
         stride_bh=bk.stride(0), stride_bt=bk.stride(1), qk_scale=scale * LOG2E,
-        GROUP=hq // k.shape[1], BLOCK=index.block_size, BAR=cfg["bar"], HEAD_DIM=d, HAS_BARS=has_bars,
-        MERGE=state is not None, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        GROUP=hq // k.shape[1], BLOCK=bs, BLOCK_M=bm, BLOCK_N=bn, BAR=min(cfg["bar"] or bn, bs), HEAD_DIM=d,
+        HAS_BARS=has_bars, MERGE=state is not None, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps,
+        num_stages=stages,
     )
     return o, lse
 
@@ -488,6 +762,14 @@ def attention_delta(o, do, block: int = 64):
     return delta
 
 
+def _split(plan, index, bar_kv: int, device) -> int:
+    """Pieces per bar chunk: the longest bar program at most half of one SM's fair share of the launch."""
+    units = bar_kv / index.block_size  # a (query block, chunk) pair against a tile pair
+    total = index.num_tiles + plan.pairs * units
+    longest = plan.longest * units
+    return max(1, min(16, math.ceil(2 * longest * _num_sms(device) / max(total, 1))))
+
+
 def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: float, dq=None, dk=None, dv=None,
                     accumulate_q: bool = False, accumulate_kv: bool = False, config=None):
     """Gradients of one block-sparse call given the *final* ``lse`` and ``delta`` (of the full attention).
@@ -497,64 +779,78 @@ def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: floa
     ``accumulate_q`` / ``accumulate_kv``; otherwise fresh tensors of the inputs' dtype are returned.
     ``d_bar_k, d_bar_v`` are fp32 ``[Hq, nb, D]`` (None without bars).
     """
-    cfg = {**CONFIGS, **(config or {})}
+    bs = index.block_size
+    cfg = _resolve(config, bs)
     nq, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     dot = _dot_precision(q.dtype)
     has_bars = index.bar_pos is not None and bar_k.shape[1] > 0
-    bar_pos, bar_count, bar_skip = _bar_args(index, q.device)
+    bar_kv = cfg["bar_kv"]
+    bar_tensors, plan = _bar_args(index, q.device, bar_kv)
+    bar_pos, bar_count, bar_clean, bar_skip, bar_first, bar_clean_from = bar_tensors
     bk = bar_k if has_bars else q.new_zeros(1, 1, d)
     bv = bar_v if has_bars else q.new_zeros(1, 1, d)
     acc_q, acc_kv = accumulate_q and dq is not None, accumulate_kv and dk is not None
-    dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    common = _common(index, q)
-    bs = index.block_size
-    warps, stages = cfg["dq"]
-    _bsa_bwd_dq[(index.q_blocks.numel(), hq)](
-        q, k, v, bk, bv, do, lse, delta, dq,
-        index.q_blocks, index.k_blocks, index.row_ptr, index.row_idx, bar_pos, bar_count, bar_skip,
-        NK=index.num_k, **common,
+    common = _common(index)
+    atomic = cfg["dq_atomic"]
+    if atomic:  # the dK/dV launch adds dQ into fp32: the caller's fp32 buffer, or a fresh one
+        dq_out = dq
+        if dq is not None and dq.dtype == torch.float32:
+            dq_acc = dq if acc_q else dq.zero_()
+        else:
+            dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    else:
+        dq = dq_acc = torch.empty_like(q) if dq is None else dq
+        bm, bn, warps, stages = cfg["dq"]
+        _bsa_bwd_dq[(index.q_blocks.numel() * (bs // bm), hq)](
+            q, k, v, bk, bv, do, lse, delta, dq,
+            index.q_blocks, index.k_blocks, index.row_ptr, index.row_idx, bar_pos, bar_count, bar_clean,
+            bar_skip, NK=index.num_k, **common,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
+            stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
+            stride_dqt=dq.stride(0), stride_dqh=dq.stride(1), stride_bh=bk.stride(0), stride_bt=bk.stride(1),
+            qk_scale=scale * LOG2E, scale=scale, GROUP=group, BLOCK=bs, BLOCK_M=bm, BLOCK_N=bn,
+            BAR=min(cfg["bar"] or bn, bs), HEAD_DIM=d, HAS_BARS=has_bars, ACCUMULATE=acc_q, DOT_PRECISION=dot,
+            num_warps=warps, num_stages=stages,
+        )
+    nb = common["NB"]
+    nchunk = triton.cdiv(nb, bar_kv) if has_bars else 0
+    split = (cfg["split"] or _split(plan, index, bar_kv, q.device)) if has_bars else 1
+    bar_programs = nchunk * hq * split
+    if has_bars:  # fp32 partial sums per piece; written straight into the result without a split
+        dbk = torch.empty((split, hq, nb, d), device=q.device, dtype=torch.float32)
+        dbv = torch.empty_like(dbk)
+    else:
+        dbk = dbv = torch.zeros(1, device=q.device, dtype=torch.float32)
+    bm, bn, warps, stages = cfg["dkdv"]
+    nkb = index.k_blocks.numel()
+    _bsa_bwd_dkdv[(bar_programs + nkb * (bs // bn) * hkv,)](
+        q, k, v, bk, bv, do, lse, delta, dq_acc, dk, dv, dbk, dbv,
+        index.q_blocks, index.k_blocks, index.col_ptr, index.col_idx, bar_pos, bar_skip, bar_first,
+        bar_clean_from, NQ=index.num_q, NK=index.num_k, NQB=common["NQB"], NKB=nkb, NKG=common["NKG"], NB=nb,
+        NCHUNK=nchunk, HQ=hq, BAR_PROGRAMS=bar_programs,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
         stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
-        stride_dqt=dq.stride(0), stride_dqh=dq.stride(1), stride_bh=bk.stride(0), stride_bt=bk.stride(1),
-        qk_scale=scale * LOG2E, scale=scale, GROUP=group, BLOCK=bs, BAR=cfg["bar"], HEAD_DIM=d,
-        HAS_BARS=has_bars, ACCUMULATE=acc_q, DOT_PRECISION=dot, num_warps=warps, num_stages=stages,
+        stride_dqt=dq_acc.stride(0), stride_dqh=dq_acc.stride(1), stride_dkt=dk.stride(0),
+        stride_dkh=dk.stride(1), stride_dvt=dv.stride(0), stride_dvh=dv.stride(1), stride_bh=bk.stride(0),
+        stride_bt=bk.stride(1), qk_scale=scale * LOG2E, scale=scale, GROUP=group, BLOCK=bs, BLOCK_M=bm,
+        BLOCK_N=bn, BAR_KV=bar_kv, SPLIT=split, HEAD_DIM=d, HAS_BARS=has_bars, ACCUMULATE=acc_kv,
+        ATOMIC_DQ=atomic, DOT_PRECISION=dot, num_warps=warps, num_stages=stages,
     )
-    warps, stages = cfg["dkdv"]
-    _bsa_bwd_dkdv[(index.k_blocks.numel(), hkv)](
-        q, k, v, do, lse, delta, dk, dv, index.q_blocks, index.k_blocks, index.col_ptr, index.col_idx,
-        NQ=index.num_q, NK=index.num_k, NKB=index.k_blocks.numel(),
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
-        stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
-        stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0), stride_dvh=dv.stride(1),
-        qk_scale=scale * LOG2E, scale=scale, GROUP=group, BLOCK=bs, HEAD_DIM=d, ACCUMULATE=acc_kv,
-        DOT_PRECISION=dot, num_warps=warps, num_stages=stages,
-    )
+    if atomic and dq_out is None:
+        dq = dq_acc.to(q.dtype)
+    elif atomic and dq_acc is not dq_out:  # a caller's buffer of another dtype
+        dq = dq_out.add_(dq_acc) if acc_q else dq_out.copy_(dq_acc)
+    elif atomic:
+        dq = dq_out
     if not has_bars:
         return dq, dk, dv, None, None
-    bar = cfg["bar"]
-    nb = index.bar_pos.shape[1]
-    nchunk = triton.cdiv(nb, bar)
-    # the first local query block that can see each chunk (its smallest position)
-    chunk_min = index.bar_pos[:, ::bar].long()  # [Hq, nchunk]
-    q_last = (index.q_blocks.long() * bs + bs - 1).contiguous()
-    first = torch.searchsorted(q_last, chunk_min.contiguous()).to(torch.int32).contiguous()
-    # enough programs to fill the GPU: SPLIT programs share a chunk, interleaving over its query blocks
-    split = cfg.get("split") or max(1, min(16, triton.cdiv(8 * _num_sms(q.device), nchunk * hq)))
-    dbk = torch.empty((split, hq, nb, d), device=q.device, dtype=torch.float32)
-    dbv = torch.empty_like(dbk)
-    warps, stages = cfg["bars"]
-    _bsa_bwd_bars[(nchunk, hq, split)](
-        q, bk, bv, do, lse, delta, dbk, dbv, index.q_blocks, bar_pos, bar_skip, first,
-        NQ=index.num_q, NQB=index.q_blocks.numel(), NKG=common["NKG"], NB=nb, NCHUNK=nchunk,
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
-        stride_bh=bk.stride(0), stride_bt=bk.stride(1), qk_scale=scale * LOG2E, BLOCK=bs, BAR=bar,
-        HEAD_DIM=d, SPLIT=split, DOT_PRECISION=dot, num_warps=warps, num_stages=stages,
-    )
-    return dq, dk, dv, dbk.sum(0) * scale, dbv.sum(0)
+    if split == 1:
+        return dq, dk, dv, dbk[0], dbv[0]
+    return dq, dk, dv, dbk.sum(0), dbv.sum(0)
 
 
 def _num_sms(device) -> int:
@@ -564,10 +860,12 @@ def _num_sms(device) -> int:
 
 
 class BlockSparseAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward saves (q, k, v, bar_k, bar_v, o, lse); backward recomputes from lse."""
+    """Autograd wrapper: forward gathers the bars and saves (q, k, v, bar_k, bar_v, o, lse); backward
+    recomputes from lse and adds the bar columns' gradients into dK, dV at their rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bar_k, bar_v, index, scale, config):
+    def forward(ctx, q, k, v, index, scale, config):
+        bar_k, bar_v = (x.contiguous() for x in gather_bars(k, v, index))
         o, lse = sparse_forward(q, k, v, bar_k, bar_v, index, scale=scale, config=config)
         ctx.save_for_backward(q, k, v, bar_k, bar_v, o, lse)
         ctx.index, ctx.scale, ctx.config = index, scale, config
@@ -579,11 +877,14 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         q, k, v, bar_k, bar_v, o, lse = ctx.saved_tensors
         do = do.contiguous()
         delta = attention_delta(o, do)
-        dq, dk, dv, dbk, dbv = sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, ctx.index,
+        index = ctx.index
+        dq, dk, dv, dbk, dbv = sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index,
                                                scale=ctx.scale, config=ctx.config)
-        if dbk is not None:
-            dbk, dbv = dbk.to(bar_k.dtype), dbv.to(bar_v.dtype)
-        return dq, dk, dv, dbk, dbv, None, None, None
+        if dbk is not None:  # padding rows are zero; columns shared by a kv head's query heads add up
+            cols, kv_head = _gather_rows(index, q.shape[1] // k.shape[1])
+            dk.index_put_((cols, kv_head), dbk.to(dk.dtype), accumulate=True)
+            dv.index_put_((cols, kv_head), dbv.to(dv.dtype), accumulate=True)
+        return dq, dk, dv, None, None, None
 
 
 def triton_sparse_attention(q, k, v, index, *, scale=None, config=None, return_lse=False):
@@ -596,9 +897,7 @@ def triton_sparse_attention(q, k, v, index, *, scale=None, config=None, return_l
     check_inputs(q, k, v, index)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    bar_k, bar_v = gather_bars(k, v, index)
-    o, lse2 = BlockSparseAttentionFunction.apply(q, k, v, bar_k.contiguous(), bar_v.contiguous(), index,
-                                                 scale, config)
+    o, lse2 = BlockSparseAttentionFunction.apply(q, k, v, index, scale, config)
     if return_lse:
         return o, lse2.transpose(0, 1) / LOG2E
     return o

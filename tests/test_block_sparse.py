@@ -2,10 +2,16 @@
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest): fp32 and fp16 only, since the
 interpreter computes bf16 dots wrongly. Blocks of 16 or 32 tokens and bar chunks of 16 columns make
-small sequences span many tiles and chunks. Every buffer the kernel module allocates starts filled with
-NaN, so any element a kernel forgets to write fails the check.
+small sequences span many tiles and chunks; the SUBTILED launch settings cut every 32-token block into
+two programs and two steps, as the GPU settings cut 128-token blocks. Every buffer the kernel module
+allocates starts filled with NaN, so any element a kernel forgets to write fails the check. The last
+test compiles the kernels for an H200 (sm_90) without a GPU, catching what the interpreter lets pass.
 """
 
+import os
+import subprocess
+import sys
+import textwrap
 
 import hypothesis.strategies as st
 import pytest
@@ -14,6 +20,7 @@ from hypothesis import given, settings
 from treeattn_lab.kernels import block_sparse as kernel_module
 from treeattn_lab.kernels.block_sparse import (
     attention_delta,
+    bar_plan,
     gather_bars,
     sparse_backward,
     sparse_forward,
@@ -27,10 +34,11 @@ from treeattn_lab.patterns.vertical_slash import VerticalSlashPattern
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 SMALL = {"bar": 16, "split": 2}
+SUBTILED = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "bar": 16, "bar_kv": 32,
+            "split": 1}
+ATOMIC = {**SUBTILED, "dq_atomic": True, "split": 2}
+CONFIGS = [SMALL, SUBTILED, ATOMIC, {"bar": 32, "bar_kv": 16, "split": 3, "dq_atomic": True}]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
-
-
-
 
 
 def random_pattern(gen, n, heads, block_size, n_vertical, n_slash, *, diagonal=True):
@@ -67,18 +75,94 @@ def _check(pattern, n, *, hq, hkv, d, dtype, seed, scale=None, config=SMALL):
 
 
 @settings(max_examples=6)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(20, 150), block_size=st.sampled_from([16, 32]),
-       gqa=st.sampled_from([(2, 1), (2, 2), (4, 2)]), lines=st.sampled_from([(0, 3), (5, 4), (12, 2)]))
-def test_kernel_matches_reference_on_random_patterns_fp32(seed, n, block_size, gqa, lines):
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(20, 130), block_size=st.sampled_from([16, 32]),
+       gqa=st.sampled_from([(2, 1), (2, 2), (4, 2)]),
+       lines=st.sampled_from([(0, 3), (5, 4), (12, 2), (40, 2)]), config=st.sampled_from(CONFIGS))
+def test_kernel_matches_reference_on_random_patterns_fp32(seed, n, block_size, gqa, lines, config):
     gen = torch.Generator().manual_seed(seed)
     pattern = random_pattern(gen, n, gqa[0], block_size, *lines)
-    _check(pattern, n, hq=gqa[0], hkv=gqa[1], d=16, dtype=torch.float32, seed=seed)
+    _check(pattern, n, hq=gqa[0], hkv=gqa[1], d=16, dtype=torch.float32, seed=seed, config=config)
 
 
-def test_kernel_matches_reference_fp16_awkward_size():
+@pytest.mark.parametrize("config", [SMALL, ATOMIC], ids=["small", "atomic"])
+def test_kernel_matches_reference_fp16_awkward_size(config):
     gen = torch.Generator().manual_seed(7)
     pattern = random_pattern(gen, 83, 2, 16, 7, 4)  # 83 tokens: neither tiles nor chunks divide it
-    _check(pattern, 83, hq=2, hkv=1, d=32, dtype=torch.float16, seed=7, scale=0.2)
+    _check(pattern, 83, hq=2, hkv=1, d=32, dtype=torch.float16, seed=7, scale=0.2, config=config)
+
+
+def test_atomic_dq_into_a_callers_buffer_of_another_dtype():
+    """dq_atomic accumulates in fp32 and then writes or adds into a caller's fp16 dQ like the dQ kernel."""
+    n, heads, d = 80, 2, 16
+    gen = torch.Generator().manual_seed(9)
+    index = random_pattern(gen, n, heads, 16, 6, 3).to(DEVICE).block_index(n)
+    q, k, v, do = (torch.randn(n, heads, d, generator=gen).to(DEVICE, torch.float16) for _ in range(4))
+    bar_k, bar_v = gather_bars(k, v, index)
+    o, lse = sparse_forward(q, k, v, bar_k, bar_v, index, scale=0.25)
+    delta = attention_delta(o, do)
+    start = torch.randn(n, heads, d, generator=gen).to(DEVICE, torch.float16)
+    got = {}
+    for atomic in (False, True):
+        for accumulate in (False, True):
+            dq = start.clone()
+            out = sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, scale=0.25, dq=dq,
+                                  accumulate_q=accumulate, config={**SMALL, "dq_atomic": atomic})[0]
+            assert out is dq
+            got[atomic, accumulate] = dq
+    for accumulate in (False, True):
+        torch.testing.assert_close(got[True, accumulate], got[False, accumulate], rtol=2e-3, atol=2e-3)
+
+
+def test_clean_bar_chunks_run_unmasked_and_match_fp16_subtiled():
+    """Many columns: most chunks are clean (before the block, in no tile) and take the unmasked path;
+    awkward length, GQA, sub-tiled programs, a far slash whose tiles swallow some columns."""
+    n, bs = 179, 32
+    gen = torch.Generator().manual_seed(5)
+    vertical = torch.randperm(n, generator=gen)[:100].reshape(2, 50)
+    pattern = VerticalSlashPattern(vertical, torch.tensor([[0, 1, -1], [0, 1, 100]]), bs)
+    plan = bar_plan(pattern.block_index(n), 32)
+    assert (plan.clean >= 32).any(), "no clean chunk: the unmasked bar path would go untested"
+    assert (plan.clean_from < plan.clean.shape[1]).any()
+    _check(pattern, n, hq=2, hkv=1, d=32, dtype=torch.float16, seed=5, config=SUBTILED)
+    _check(pattern, n, hq=2, hkv=2, d=16, dtype=torch.float32, seed=6, config={"bar": 16, "bar_kv": 16})
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(40, 200), bar_kv=st.sampled_from([16, 32]),
+       ring=st.booleans())
+def test_bar_plan_agrees_with_the_bar_mask(seed, n, bar_kv, ring):
+    """The plan's promises, checked against ``bar_mask`` (which bars each query reads): the first
+    ``clean`` bars are read by every query of the block; from ``clean_from`` on every real bar of the
+    chunk is; before ``first`` none is. Also for a ring step's blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    pattern = random_pattern(gen, n, 2, 16, 30, 4)
+    nb = pattern.num_blocks(n)
+    if ring:
+        q_blocks = torch.randperm(nb, generator=gen)[: max(1, nb // 2)].sort().values
+        k_blocks = torch.arange(nb)
+        index = pattern.block_index(n, q_blocks=q_blocks, k_blocks=k_blocks)
+    else:
+        index = pattern.block_index(n)
+    if index.bar_pos is None:
+        return
+    plan = bar_plan(index, bar_kv)
+    reads = index.bar_mask()  # [H, num_q, nb]
+    real = index.bar_pos != kernel_module.BAR_PAD
+    block = torch.arange(index.num_q) // index.block_size
+    for h in range(index.num_heads):
+        for i in range(index.q_blocks.numel()):
+            rows = reads[h, block == i]  # [queries of block i, nb]
+            everyone = rows.all(0) & real[h]
+            clean = int(plan.clean[h, i])
+            assert everyone[:clean].all()
+            assert clean == everyone.numel() or not everyone[clean], "clean prefix is not maximal"
+            for c in range(plan.first.shape[1]):
+                cols = slice(c * bar_kv, (c + 1) * bar_kv)
+                if i < int(plan.first[h, c]):
+                    assert not rows[:, cols].any(), "a chunk is read before its first block"
+                if i >= int(plan.clean_from[h, c]):
+                    assert (everyone[cols] | ~real[h, cols]).all(), "a clean chunk needs a mask"
+    assert plan.pairs == int((index.q_blocks.numel() - plan.first.long()).sum())
 
 
 def test_empty_verticals_and_all_local_pattern():
@@ -86,6 +170,7 @@ def test_empty_verticals_and_all_local_pattern():
     local = VerticalSlashPattern(torch.zeros(3, 0, dtype=torch.long), torch.arange(20).expand(3, -1), 16)
     assert local.block_index(70).bar_pos is None
     _check(local, 70, hq=3, hkv=3, d=16, dtype=torch.float32, seed=1)
+    _check(local, 70, hq=3, hkv=3, d=16, dtype=torch.float32, seed=4, config=SUBTILED)
     # columns padded away entirely (-1) behave the same
     padded = VerticalSlashPattern(torch.full((3, 4), -1), torch.arange(20).expand(3, -1), 16)
     _check(padded, 70, hq=3, hkv=3, d=16, dtype=torch.float32, seed=2)
@@ -103,16 +188,17 @@ def test_rows_that_see_nothing_output_zero():
     assert (out[80:, 1] != 0).any()
 
 
-def test_merge_state_and_accumulated_gradients_across_split_keys():
+@pytest.mark.parametrize("config", [SMALL, SUBTILED, ATOMIC], ids=["small", "subtiled", "atomic"])
+def test_merge_state_and_accumulated_gradients_across_split_keys(config):
     """Two calls over disjoint key halves, merged in place, equal one call; so do their gradients
     (the ring's contract: MERGE forward, ACCUMULATE dq, fresh fp32 dk/dv per call)."""
-    n, heads, d, bs = 96, 2, 16, 16
+    n, heads, d, bs = 96, 2, 16, 16 if config is SMALL else 32
     gen = torch.Generator().manual_seed(11)
     pattern = random_pattern(gen, n, heads, bs, 6, 4).to(DEVICE)
     q, k, v, do = (torch.randn(n, heads, d, generator=gen).to(DEVICE) for _ in range(4))
     full = pattern.block_index(n)
     bar_k, bar_v = gather_bars(k, v, full)
-    o_full, lse_full = sparse_forward(q, k, v, bar_k, bar_v, full, scale=0.25, config=SMALL)
+    o_full, lse_full = sparse_forward(q, k, v, bar_k, bar_v, full, scale=0.25, config=config)
     nb = n // bs
     halves = [torch.arange(0, nb, 2), torch.arange(1, nb, 2)]
     state = (torch.zeros(n, heads, d, device=DEVICE), torch.full((heads, n), float("-inf"), device=DEVICE))
@@ -121,19 +207,19 @@ def test_merge_state_and_accumulated_gradients_across_split_keys():
         idx = pattern.block_index(n, q_blocks=torch.arange(nb), k_blocks=kb, bars=j == 0)
         rows = (kb[:, None] * bs + torch.arange(bs)).flatten().to(DEVICE)
         parts.append((idx, rows))
-        sparse_forward(q, k[rows], v[rows], bar_k, bar_v, idx, scale=0.25, state=state, config=SMALL)
+        sparse_forward(q, k[rows], v[rows], bar_k, bar_v, idx, scale=0.25, state=state, config=config)
     torch.testing.assert_close(state[0], o_full, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1], lse_full, rtol=1e-5, atol=1e-5)
     delta = attention_delta(o_full, do)
     dq_full, dk_full, dv_full, dbk_full, dbv_full = sparse_backward(
-        do, q, k, v, bar_k, bar_v, lse_full, delta, full, scale=0.25, config=SMALL)
+        do, q, k, v, bar_k, bar_v, lse_full, delta, full, scale=0.25, config=config)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for j, (idx, rows) in enumerate(parts):
         dk_part, dv_part = torch.full_like(k[rows], float("nan")), torch.full_like(v[rows], float("nan"))
         _, _, _, dbk, dbv = sparse_backward(do, q, k[rows], v[rows], bar_k, bar_v, lse_full, delta, idx,
                                             scale=0.25, dq=dq, dk=dk_part, dv=dv_part, accumulate_q=True,
-                                            config=SMALL)
+                                            config=config)
         dk[rows] += dk_part
         dv[rows] += dv_part
         if j == 0:
@@ -177,3 +263,67 @@ def test_bad_inputs_are_refused_clearly():
         sparse_attention(q, q, q, pattern, backend="cuda")
     with pytest.raises(ValueError, match="scale"):
         sparse_attention(q, q, q, pattern, scale=-1.0)
+    index = pattern.block_index(8)
+    for config, match in [({"bars": (8, 2)}, "unknown block-sparse config keys"),
+                          ({"fwd": (8, 2)}, "BLOCK_M, BLOCK_N, num_warps, num_stages"),
+                          ({"dq": (128, 24, 4, 2)}, "power of two"), ({"bar": 8}, "power of two"),
+                          ({"split": 0}, "positive int")]:
+        with pytest.raises(ValueError, match=match):
+            triton_sparse_attention(q, q, q, index, config=config)
+
+
+COMPILE_FOR_SM90 = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "0"  # real Triton, compiled for a GPU that is not here
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+
+    def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization,
+                                                                options)
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
+        name, shared = self.__name__, kernel.metadata.shared
+        assert shared <= 232448, f"{name}: {shared} B of shared memory, the H200 has 227 KB"
+        assert "wgmma" in kernel.asm["ptx"] or name == "_bsa_delta", f"{name}: no tensor-core dots"
+        print("compiled", self.__name__, "shared", kernel.metadata.shared)
+
+    JITFunction.run = compile_instead_of_launch
+    from treeattn_lab.kernels import block_sparse as B
+    from treeattn_lab.patterns.vertical_slash import synthetic_pattern
+
+    n, hq, hkv, d = 2048, 4, 2, 128  # the GPU's block size, head dim, dtype and launch settings; GQA
+    B._num_sms = lambda device: 132
+    index = synthetic_pattern(n, hq, n_vertical=300, n_slash=100).block_index(n)
+    q, do = (torch.randn(n, hq, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(n, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    bk, bv = (x.contiguous() for x in B.gather_bars(k, v, index))
+    lse = torch.zeros(hq, n)
+    B.sparse_forward(q, k, v, bk, bv, index, scale=0.1, state=(q.float(), lse))
+    for config in ({}, {"dq_atomic": True}):
+        B.sparse_backward(do, q, k, v, bk, bv, lse, lse, index, scale=0.1, dq=q.float(), dk=k.float(),
+                          dv=v.float(), accumulate_q=True, accumulate_kv=True, config=config)
+""")
+
+
+def test_kernels_compile_for_sm90():
+    """The GPU build (bf16, head dim 128, default launch settings and dq_atomic, GQA, merge and
+    accumulate variants)
+    passes Triton's compiler and ptxas for sm_90: the interpreter does not check dot shapes, dtypes,
+    constexpr use or shared memory."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("compiled") == 4, result.stdout

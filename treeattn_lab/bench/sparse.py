@@ -79,6 +79,10 @@ def run_case(case: SparseCase, *, heads: int, dim: int, dtype, device, backends,
     pattern = _pattern(N, heads, device, tuple(sorted(case.pattern.items())))
     t0 = time.perf_counter()
     index = pattern.block_index(N)
+    if "triton" in backends:  # what the kernel derives from the index (bar plans) is built once too
+        from ..kernels.block_sparse import prepare
+
+        prepare(index, config)
     if device.type == "cuda":
         torch.cuda.synchronize()
     index_ms = (time.perf_counter() - t0) * 1e3
@@ -102,7 +106,7 @@ def run_case(case: SparseCase, *, heads: int, dim: int, dtype, device, backends,
                       for _ in range(3)]
             if backend == "flex":
                 flex_block_mask(pattern, N)  # built once, not timed
-            if backend == "triton" and config:
+            if backend == "triton" and config is not None:  # tuning: launch settings, no validation
                 from ..kernels.block_sparse import triton_sparse_attention
 
                 fn = lambda q, k, v: triton_sparse_attention(q, k, v, index, config=config)
@@ -138,8 +142,10 @@ def run_case(case: SparseCase, *, heads: int, dim: int, dtype, device, backends,
 
 
 def check_against_reference(device, *, tokens=4096, heads=4, dim=128) -> dict:
-    """Relative errors of the bf16 kernel's output and gradients against the fp32 einops reference."""
-    from ..ops.sparse import reference_sparse_attention, sparse_attention
+    """Relative errors of the bf16 kernel's output and gradients against the fp32 einops reference (also
+    with the atomic-dQ backward, keys ending in ``_atomic``)."""
+    from ..kernels.block_sparse import triton_sparse_attention
+    from ..ops.sparse import reference_sparse_attention
 
     pattern = synthetic_pattern(tokens, heads, n_vertical=200, n_slash=200, slash_scale=200.0, far_slash=0.05,
                                 device=device)
@@ -148,30 +154,51 @@ def check_against_reference(device, *, tokens=4096, heads=4, dim=128) -> dict:
     ref = [x.clone().requires_grad_() for x in (q, k, v)]
     out_ref = reference_sparse_attention(*ref, pattern)
     out_ref.backward(do)
-    low = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
-    out = sparse_attention(*low, pattern, backend="triton")
-    out.backward(do.to(torch.bfloat16))
 
     def rel(a, b):
-        return float((a.float() - b).norm() / b.norm())
+        return float((a.detach().float() - b).norm() / b.norm())
 
-    return {"check_tokens": tokens, "rel_err_out": rel(out, out_ref),
-            **{f"rel_err_d{n}": rel(a.grad, b.grad) for n, a, b in zip("qkv", low, ref, strict=True)}}
+    errors = {"check_tokens": tokens}
+    for suffix, config in (("", None), ("_atomic", {"dq_atomic": True})):
+        low = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+        out = triton_sparse_attention(*low, pattern.block_index(tokens), config=config)
+        out.backward(do.to(torch.bfloat16))
+        errors[f"rel_err_out{suffix}"] = rel(out, out_ref)
+        errors.update({f"rel_err_d{n}{suffix}": rel(a.grad, b.grad) for n, a, b in zip("qkv", low, ref,
+                                                                                      strict=True)})
+    return errors
 
 
+# on top of kernels.block_sparse.CONFIGS; shapes are (BLOCK_M, BLOCK_N, num_warps, num_stages), none of
+# them spills registers on sm_90 (ptxas, Triton 3.6)
 TUNE_CONFIGS = [
     {},
-    {"bar": 128, "bars": (8, 2)},
-    {"fwd": (8, 2)},
-    {"fwd": (4, 2), "dq": (4, 2), "dkdv": (4, 2)},
-    {"dkdv": (8, 1), "dq": (8, 1)},
+    {"fwd": (128, 128, 8, 3)},
+    {"fwd": (64, 64, 4, 3)},
+    {"fwd": (128, 64, 8, 2)},
+    {"dq": (128, 32, 8, 3)},
+    {"dq": (64, 64, 4, 2)},
+    {"dq": (64, 32, 4, 2)},
+    {"dkdv": (32, 64, 4, 2)},
+    {"dkdv": (32, 128, 8, 3)},
+    {"bar_kv": 64, "dkdv": (32, 64, 4, 2)},
+    {"split": 4},
+    {"dq_atomic": True},
+    {"dq_atomic": True, "dkdv": (32, 128, 8, 3)},
 ]
 
 
 def kernel_breakdown(case: SparseCase, *, heads, dim, dtype, device) -> dict:
     """ms of each piece of the triton path (default launch settings): forward with and without the bar
-    part, the backward kernels with and without it, and the bar gather."""
-    from ..kernels.block_sparse import attention_delta, gather_bars, sparse_backward, sparse_forward
+    part, the backward kernels with and without it, the bar gather, and the device time per kernel of one
+    forward+backward (torch.profiler, ``kernel_ms``)."""
+    from ..kernels.block_sparse import (
+        attention_delta,
+        gather_bars,
+        sparse_backward,
+        sparse_forward,
+        triton_sparse_attention,
+    )
 
     N = case.tokens
     pattern = _pattern(N, heads, device, tuple(sorted(case.pattern.items())))
@@ -194,18 +221,58 @@ def kernel_breakdown(case: SparseCase, *, heads, dim, dtype, device) -> dict:
         "bwd": ms(lambda: sparse_backward(do, q, k, v, bk, bv, lse, delta, full, scale=scale)),
         "bwd_tiles_only": ms(lambda: sparse_backward(do, q, k, v, bk, bv, lse, delta, tiles_only,
                                                      scale=scale)),
+        "kernel_ms": _kernel_ms(lambda: triton_sparse_attention(*(x.requires_grad_() for x in (q, k, v)), full
+                                                                ).backward(do), device),
     }
 
 
+def _kernel_ms(fn, device, reps: int = 5) -> dict:
+    """Device ms per kernel name for one call of ``fn`` (mean of ``reps``), from torch.profiler (on a CPU:
+    CPU ms per op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    field = "device_time_total" if cuda else "self_cpu_time_total"
+    times = {e.key: getattr(e, field, 0) / reps / 1e3 for e in prof.key_averages()}
+    return {name: ms for name, ms in sorted(times.items(), key=lambda kv: -kv[1]) if ms > 0}
+
+
 def tune(case: SparseCase, *, heads, dim, dtype, device) -> list[dict]:
-    """fwd and fwd+bwd ms of the triton kernel under a few launch settings (on top of the defaults)."""
-    rows = []
-    for cfg in TUNE_CONFIGS:
+    """fwd and fwd+bwd ms of the triton kernel under a few launch settings (on top of the defaults), then
+    under the settings that beat the defaults combined (greedily, best first, one per kernel)."""
+    def run(cfg):
         (row,) = run_case(case, heads=heads, dim=dim, dtype=dtype, device=device, backends=["triton"],
                           config=cfg)
-        rows.append({"config": json.dumps(cfg), "fwd_ms": row.get("fwd_ms"),
-                     "fwd_bwd_ms": row.get("fwd_bwd_ms"), "error": row.get("error")})
-        print("tune", rows[-1], flush=True)
+        result = {"case": case.name, "config": json.dumps(cfg), "fwd_ms": row.get("fwd_ms"),
+                  "fwd_bwd_ms": row.get("fwd_bwd_ms"), "error": row.get("error")}
+        print("tune", result, flush=True)
+        return result
+
+    rows = [run(cfg) for cfg in TUNE_CONFIGS]
+    base = rows[0]
+    if base["error"]:
+        return rows
+
+    def gain(cfg, row):  # a forward setting is judged on the forward alone
+        if row["error"]:
+            return 0.0
+        key = "fwd_ms" if set(cfg) == {"fwd"} else "fwd_bwd_ms"
+        return base[key] - row[key]
+
+    combined = {}
+    for cfg, row in sorted(zip(TUNE_CONFIGS[1:], rows[1:], strict=True), key=lambda cr: -gain(*cr)):
+        if gain(cfg, row) > 0 and not set(cfg) & set(combined):
+            combined.update(cfg)
+    if len(combined) > 1:
+        rows.append(run(combined))
     return rows
 
 
@@ -238,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--check", action="store_true",
                         help="check the bf16 kernel against fp32 at 4K tokens")
-    parser.add_argument("--tune", action="store_true", help="time a few launch settings at the largest case")
+    parser.add_argument("--tune", action="store_true", help="time a few launch settings at a band case")
+    parser.add_argument("--tune-tokens", default="131072",
+                        help="comma list of band case sizes (32768, 131072) that --tune and the per-kernel "
+                             "breakdown run at")
     parser.add_argument("--ring", type=int, default=262144, help="tokens of the 2-GPU ring (0: skip)")
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
     args = parser.parse_args(argv)
@@ -267,13 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     write_results("sparse", rows, env, directory=out_dir, extra=extra)  # kept if a later part fails
     if args.tune and cuda:
-        extra["breakdown"] = kernel_breakdown(gpu_cases("band")[-1], heads=heads, dim=dim, dtype=dtype,
-                                              device=device)
-        print("ms per piece (band 128K):", extra["breakdown"], flush=True)
-        write_results("sparse", rows, env, directory=out_dir, extra=extra)
-        extra["tune"] = tune(gpu_cases("band")[-1], heads=heads, dim=dim, dtype=dtype, device=device)
-        print_table("triton launch settings (band 128K)", [("config", "config"), ("fwd_ms", "fwd ms"),
-                                                          ("fwd_bwd_ms", "fwd+bwd ms")], extra["tune"])
+        tokens = {int(t) for t in args.tune_tokens.split(",")}
+        extra["breakdown"], extra["tune"] = {}, []
+        for case in [c for c in gpu_cases("band") if c.tokens in tokens]:
+            extra["breakdown"][case.name] = kernel_breakdown(case, heads=heads, dim=dim, dtype=dtype,
+                                                             device=device)
+            print(f"ms per piece ({case.name}):", extra["breakdown"][case.name], flush=True)
+            write_results("sparse", rows, env, directory=out_dir, extra=extra)
+            extra["tune"] += tune(case, heads=heads, dim=dim, dtype=dtype, device=device)
+            print_table(f"triton launch settings ({case.name})", [("config", "config"), ("fwd_ms", "fwd ms"),
+                        ("fwd_bwd_ms", "fwd+bwd ms")], [r for r in extra["tune"] if r["case"] == case.name])
     if cuda and torch.cuda.device_count() >= 2 and args.ring:
         extra["ring"] = run_ring(out_dir or write_results("sparse", rows, env).parent, args.ring)
     title = f"sparse attention, {env['device']}, {str(dtype).removeprefix('torch.')}, {heads} heads x {dim}"
