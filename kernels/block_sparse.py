@@ -555,16 +555,25 @@ CONFIGS = {
     "split": None,
     "dq_atomic": False,
 }
+# Calls with at most SHORT_QUERIES queries start from CONFIGS updated with SHORT_CONFIGS: the best
+# combination `bench sparse --tune --tune-tokens 32768` found on an H200 (8.49 ms fwd+bwd against 9.62 ms
+# for CONFIGS at 32K tokens; bench/results/sparse__NVIDIA-H200__*.json, "tune").
+SHORT_QUERIES = 65536
+SHORT_CONFIGS = {"fwd": (64, 64, 4, 3), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "bar_kv": 64,
+                 "split": 4}
 _SHAPES = ("fwd", "dq", "dkdv")
 
 
-def _resolve(config, block: int) -> dict:
-    """:data:`CONFIGS` updated with ``config``, checked, tile sizes capped at the index's block size."""
+def _resolve(config, index) -> dict:
+    """:data:`CONFIGS` (with :data:`SHORT_CONFIGS` for short calls) updated with ``config``, checked,
+    tile sizes capped at the index's block size."""
     config = dict(config or {})
     unknown = sorted(set(config) - set(CONFIGS))
     if unknown:
         raise ValueError(f"unknown block-sparse config keys {unknown}; known: {sorted(CONFIGS)}")
-    cfg = {**CONFIGS, **config}
+    block = index.block_size
+    short = SHORT_CONFIGS if index.num_q <= SHORT_QUERIES else {}
+    cfg = {**CONFIGS, **short, **config}
     for name in _SHAPES:
         shape = cfg[name]
         if not isinstance(shape, tuple | list) or len(shape) != 4 or not all(
@@ -698,7 +707,7 @@ def gather_bars(k, v, index):
 
 def prepare(index, config=None) -> None:
     """Build and cache everything the kernels derive from ``index`` (a benchmark times it apart)."""
-    cfg = _resolve(config, index.block_size)
+    cfg = _resolve(config, index)
     if index.bar_pos is not None:
         bar_plan(index, cfg["bar_kv"])
 
@@ -727,7 +736,7 @@ def sparse_forward(q, k, v, bar_k, bar_v, index, *, scale: float, state=None, co
     step) and returns it.
     """
     bs = index.block_size
-    cfg = _resolve(config, bs)
+    cfg = _resolve(config, index)
     bm, bn, warps, stages = cfg["fwd"]
     nq, hq, d = q.shape
     has_bars = index.bar_pos is not None and bar_k.shape[1] > 0
@@ -780,7 +789,7 @@ def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: floa
     ``d_bar_k, d_bar_v`` are fp32 ``[Hq, nb, D]`` (None without bars).
     """
     bs = index.block_size
-    cfg = _resolve(config, bs)
+    cfg = _resolve(config, index)
     nq, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv

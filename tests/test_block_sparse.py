@@ -327,3 +327,17 @@ def test_kernels_compile_for_sm90():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("compiled") == 4, result.stdout
+
+
+def test_short_calls_start_from_the_short_configs():
+    """Calls up to SHORT_QUERIES queries use the short-sequence shapes; longer ones CONFIGS; explicit
+    entries win; shapes never exceed the index's block."""
+    from types import SimpleNamespace
+
+    short = SimpleNamespace(block_size=128, num_q=kernel_module.SHORT_QUERIES)
+    long = SimpleNamespace(block_size=128, num_q=kernel_module.SHORT_QUERIES + 1)
+    assert kernel_module._resolve(None, short)["dkdv"] == kernel_module.SHORT_CONFIGS["dkdv"]
+    assert kernel_module._resolve(None, long)["dkdv"] == kernel_module.CONFIGS["dkdv"]
+    assert kernel_module._resolve({"dkdv": (16, 16, 1, 1)}, short)["dkdv"] == (16, 16, 1, 1)
+    small_block = SimpleNamespace(block_size=32, num_q=64)
+    assert kernel_module._resolve(None, small_block)["fwd"][:2] == (32, 32)

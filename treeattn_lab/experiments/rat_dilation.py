@@ -75,7 +75,7 @@ MODES = {
                              eval_windows=8, sparse_dilation=32),
     "quick": ExperimentConfig(),
     "full": ExperimentConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688, seq_len=1024,
-                             batch_size=32, steps=2000, window=64, initial=4, adapt_steps=100,
+                             batch_size=16, steps=600, window=64, initial=4, adapt_steps=100,
                              eval_windows=128, seeds=(0, 1, 2)),
 }
 MODELS = ("plain", "rat+")
