@@ -557,7 +557,7 @@ CONFIGS = {
 }
 # Calls with at most SHORT_QUERIES queries start from CONFIGS updated with SHORT_CONFIGS: the best
 # combination `bench sparse --tune --tune-tokens 32768` found on an H200 (8.49 ms fwd+bwd against 9.62 ms
-# for CONFIGS at 32K tokens; bench/results/sparse__NVIDIA-H200__*.json, "tune").
+# for CONFIGS at 32K tokens; bench/results/sparse-tune__NVIDIA-H200__*.json, "tune").
 SHORT_QUERIES = 65536
 SHORT_CONFIGS = {"fwd": (64, 64, 4, 3), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "bar_kv": 64,
                  "split": 4}
