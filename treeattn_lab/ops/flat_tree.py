@@ -56,18 +56,15 @@ __all__ = [
     "rollout_pair_ratio",
 ]
 
-# ``backend="auto"`` runs a pack flat on CUDA when flat pairs / tree pairs is below this. From the H200
-# run in bench/results/tree__NVIDIA-H200__torch-2.11.0-cu130__triton-3.6.0.json (bf16, 16 heads x 128),
-# flash's useful forward+backward TFLOP/s over the Triton kernel's, per research case: 405/261 = 1.55,
-# 503/341 = 1.47, 529/346 = 1.53, 443/261 = 1.70 (forward only: 1.38-1.48). So flat at flash speed
-# beats the tree below a pair ratio of about 1.47; gathering rollouts out of the pack and writing the
-# outputs back is extra memory traffic (estimated 10-25% of flat's time at those shapes, not yet
-# measured), which lowers the break-even to about 1.47 / 1.15 = 1.3. The sharing cases (1.71, 2.50,
-# 3.67) and data:agentic (2.43) stay on the kernel; low sharing (1.01), data:low_sharing (1.00),
-# data:grpo_math (1.09) and data:tree_search (1.25) go flat (their length buckets pad to only 1.05-1.11x
-# the flat pairs). Re-derive from the "gather-flat" and "triton" rows of ``python -m treeattn_lab bench
-# tree``.
-FLAT_BELOW_PAIR_RATIO = 1.3
+# ``backend="auto"`` runs a pack flat on CUDA when flat pairs / tree pairs is below this. Measured on an
+# H200 (bench/results/tree-fallback__NVIDIA-H200__*.json, bf16, 16 heads x 128, forward + backward):
+# the Triton kernel spends 1.47-1.70x flash's time per useful pair (tree__*.json, research cases), and
+# the gathered-flat backend costs 1.27x flat SDPA on the low-sharing case (28.0 vs 22.0 ms; gathers and
+# scatters on top of flash). Flat-through-gathers wins while ratio x 1.27 < 1.47, i.e. below ~1.16:
+# low sharing (1.01), data:low_sharing (1.00) and data:grpo_math (1.09) go flat; data:tree_search (1.25),
+# the sharing cases (1.71-3.67) and data:agentic (2.43) stay on the kernel. Re-derive from the
+# "gather-flat" and "triton" rows of ``python -m treeattn_lab bench tree``.
+FLAT_BELOW_PAIR_RATIO = 1.15
 
 # Fixed cost of one more bucket (launches of gathers, attention and scatters, forward and backward),
 # in attended pairs: about 30 us at 450 TFLOP/s with 16 heads x 128 (3.5 x 4 x 2048 flop per pair).
