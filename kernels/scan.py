@@ -128,6 +128,7 @@ def _look_back(AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, offs, WINDOW: tl
         chunk = j - back
         flags = tl.atomic_add(FLAGS + tl.maximum(chunk, 0) * n_chains + chain, 0, sem="acquire")  # +0: a read
         flags = tl.where(chunk >= 0, flags, STATE_READY)  # before the sequence: the known state 0
+        tl.debug_barrier()  # every thread's loads below come after every thread's acquire above
         z = tl.min(tl.where(flags == 0, back, WINDOW), 0)  # nearest chunk not yet published
         s = tl.min(tl.where(flags == STATE_READY, back, WINDOW), 0)  # nearest known state
         row_map = (dist < z) & (dist < s)
@@ -307,6 +308,11 @@ def _launch(direction, tensors, B, N, C, config):
     cfg = ScanConfig(*(config or DEFAULT_CONFIG))
     if cfg.method not in KERNELS:
         raise ValueError(f"scan method must be one of {sorted(KERNELS)}, got {cfg.method!r}")
+    tile_rows = cfg.method == "tile"  # the loop kernel unrolls any number of rows; tl.arange needs 2**k
+    for name, size, pow2 in (("block_t", cfg.block_t, tile_rows), ("block_c", cfg.block_c, True)):
+        if not isinstance(size, int) or size < 1 or (pow2 and size & (size - 1)):
+            kind = "power of two" if pow2 else "positive int"
+            raise ValueError(f"scan {name} must be a {kind}, got {size!r}")
     kernel = globals()[KERNELS[cfg.method][direction]]
     n_cblk = triton.cdiv(C, cfg.block_c)
     n_chains, n_chunks = B * n_cblk, triton.cdiv(N, cfg.block_t)

@@ -157,6 +157,15 @@ def test_calibration_tries_reach_the_budget_with_rollouts_like_rl():
     assert [t.num_sequences for _, t in calibration_tries(64, vocab=7, seed=1)]  # tiny scales still build
 
 
+def test_calibration_tries_at_tiny_scales_fit_or_refuse():
+    # a scale the deeper designs could not shrink to (fork only at the last level) used to loop forever
+    for scale in (4, 8):
+        tries = calibration_tries(scale, vocab=50)
+        assert all(sum(len(n.tokens) for n in t.nodes) <= scale for _, t in tries)
+    with pytest.raises(ValueError, match="scale_tokens=2 is too small"):
+        calibration_tries(2, vocab=50)
+
+
 def test_model_work_counts_matmuls_and_attended_pairs():
     cfg = TinyLMConfig(vocab_size=100, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48)
     model = TinyLM(cfg)
@@ -311,3 +320,16 @@ def test_probe_times_every_micro_batch_in_the_contending_modes(one_rank_group):
         model_in, model_in, report.shares[0].micro_batches, mode="auto", block_tokens=16, token_budget=100
     )
     assert again == pytest.approx(report.shares[0].cost, rel=1e-12)
+
+
+def test_refine_takes_numpy_seconds_like_floats():
+    """Timings often arrive as numpy scalars (np.float32 included): the same refit as a Python float."""
+    import numpy as np
+
+    shape = small_shapes(1, seed=2)[0]
+    model = calibrated_model()
+    as_float = model.refine([([(shape, "flat")], 0.5)]).to_dict()["time"]
+    as_numpy = model.refine([([(shape, "flat")], np.float32(0.5))]).to_dict()["time"]
+    assert as_numpy.keys() == as_float.keys()
+    for mode, coefs in as_float.items():
+        assert as_numpy[mode] == pytest.approx(coefs, rel=1e-6)

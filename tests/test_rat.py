@@ -126,3 +126,25 @@ def test_merged_seeds_summarize_like_one_run():
     other["config"]["steps"] = 6
     with pytest.raises(ValueError, match="same configuration"):
         rat_dilation.merge_results([run(0, 2.0), other])
+
+
+def test_merge_command_refuses_results_of_another_mode(tmp_path, capsys):
+    """``--merge`` names its output after ``--mode``: results run in another mode must not take its name."""
+    import json
+    from dataclasses import asdict
+
+    def saved(mode, seed):
+        rows = [{"model": m, "dilation": d, "window": 0, "initial": 0, "adapted": a, "seed": seed,
+                 "val_loss": 2.0 + d / 100}
+                for m in rat_dilation.MODELS for d in (1, 16) for a in (False, True)]
+        config = {**json.loads(json.dumps(asdict(rat_dilation.MODES[mode]))), "seeds": [seed]}
+        path = tmp_path / f"{mode}{seed}.json"
+        path.write_text(json.dumps({"environment": {"device": "cpu"}, "config": config, "rows": rows,
+                                    "histories": {}, "seconds": 1.0, "device": "cpu"}))
+        return str(path)
+
+    full = [saved("full", 0), saved("full", 1)]
+    assert rat_dilation.main(["--merge", *full, "--mode", "full", "--no-save"]) == 0
+    with pytest.raises(SystemExit):
+        rat_dilation.main(["--merge", *full, "--no-save"])  # the default mode, quick
+    assert "not run in --mode quick" in capsys.readouterr().err

@@ -63,8 +63,10 @@ def test_kernel_matches_loop_fp32(n, channels, batch, seed, config, inclusive_ev
     _check(shape, len(batch), torch.float32, seed, config, inclusive_every, window)
 
 
-@pytest.mark.parametrize("method", ["tile", "loop"])
-@pytest.mark.parametrize(("inclusive_every", "window"), [(2, 16), (3, 2), (1000, 4), (1000, 16), (5, 4)])
+@pytest.mark.parametrize(("inclusive_every", "window", "method"), [
+    (2, 16, "tile"), (3, 2, "tile"), (1000, 4, "tile"), (1000, 16, "tile"), (5, 4, "tile"),
+    (3, 2, "loop"), (1000, 4, "loop"),  # the row loop is slow under the interpreter: its two hardest
+])
 def test_look_back_composes_chunk_maps(inclusive_every, window, method):
     """Chunks that publish only their map make later chunks compose maps back to a known state, one
     window of flags at a time (several windows, a state inside a window, the start of the sequence)."""
@@ -72,8 +74,8 @@ def test_look_back_composes_chunk_maps(inclusive_every, window, method):
            inclusive_every=inclusive_every, window=window)
 
 
-@pytest.mark.parametrize("method", ["tile", "loop"])
-@pytest.mark.parametrize(("shape", "dim"), [((45, 3, 7), 0), ((2, 33, 6), 1)])
+@pytest.mark.parametrize(("shape", "dim", "method"), [((45, 3, 7), 0, "tile"), ((2, 33, 6), 1, "tile"),
+                                                     ((2, 33, 6), 1, "loop")])
 def test_kernel_matches_loop_fp16(shape, dim, method):
     _check(shape, dim, torch.float16, seed=shape[0], config=(16, 4, 1, 1, method))
 
@@ -82,6 +84,15 @@ def test_unknown_method_is_refused():
     x = torch.rand(5, 3, device=DEVICE)
     with pytest.raises(ValueError, match="scan method"):
         triton_gated_scan(x, x, config=(4, 4, 1, 1, "magic"))
+
+
+@pytest.mark.parametrize(("config", "match"), [((4, 3, 1, 1, "loop"), "block_c must be a power of two"),
+                                               ((3, 4, 1, 1, "tile"), "block_t must be a power of two"),
+                                               ((0, 4, 1, 1, "loop"), "block_t must be a positive int")])
+def test_bad_block_sizes_are_refused(config, match):
+    x = torch.rand(5, 3, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        triton_gated_scan(x, x, config=config)
 
 
 def test_time_axis_anywhere():

@@ -50,6 +50,7 @@ import copy
 import hashlib
 import json
 import math
+import numbers
 import os
 import random
 import time
@@ -370,9 +371,8 @@ class CostModel:
                 parts, seconds = obs
             except (TypeError, ValueError):
                 raise ValueError(f"observation {i} must be a (parts, seconds) pair") from None
-            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
-                raise ValueError(f"observation {i}: seconds must be a finite number > 0, got {seconds!r}")
-            if not math.isfinite(seconds):
+            real = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
+            if not real or not math.isfinite(seconds) or not seconds > 0:
                 raise ValueError(f"observation {i}: seconds must be a finite number > 0, got {seconds!r}")
             if not parts:
                 raise ValueError(f"observation {i} has no parts (micro-batches)")
@@ -540,13 +540,16 @@ def calibration_tries(
             trie = branching_trie(rng, vocab, prompts, prompt_len, levels)
             if sum(len(n.tokens) for n in trie.nodes) <= scale_tokens:
                 break
+            forked = [j for j, (f, _) in enumerate(levels) if f > 1]
             if prompts > 1:  # shrink until one micro-batch: fewer prompts, then fewer forks, then shorter
                 prompts -= 1
-            elif levels[-1][0] > 1:
-                levels[-1] = (levels[-1][0] - 1, levels[-1][1])
-            else:
+            elif forked:  # the deepest level that still forks
+                levels[forked[-1]] = (levels[forked[-1]][0] - 1, levels[forked[-1]][1])
+            elif prompt_len > 1 or any(s > 1 for _, s in levels):
                 prompt_len = max(1, prompt_len // 2)
                 levels = [(f, max(1, s // 2)) for f, s in levels]
+            else:  # one chain of single tokens: nothing left to shrink
+                raise ValueError(f"scale_tokens={scale_tokens} is too small for calibration trie {name!r}")
         out.append((name, trie))
     return out
 

@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
 
         saved = [json.loads(Path(f).read_text()) for f in args.merge]
         result, env = merge_results(saved), saved[0]["environment"]  # where they ran, not here
+        mode = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "seeds"}
+        if {k: v for k, v in result["config"].items() if k != "seeds"} != mode:  # the name says the mode
+            parser.error(f"the results to merge were not run in --mode {args.mode} (with its --steps)")
     else:
         result = run_experiment(cfg, device=args.device)
     from ..bench.harness import environment, print_table, write_results
