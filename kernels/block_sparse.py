@@ -142,6 +142,24 @@ def _bar_rows(BAR_POS, BK, BV, h, c, nbar, skip_row, offs_d, stride_bh, stride_b
     return bk, bv, offs_c, offs_c >= 0
 
 
+@triton.jit
+def _key_subtile(t, qpos, K, V, K_BLOCKS, ROW_IDX, NK, stride_kt, stride_vt, offs_n, offs_d,
+                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Step ``t`` of a query block's walk over its tiles ``BLOCK_N`` keys at a time: keys, values and
+    (MASKED: the diagonal tile) which pairs are visible (causal, and within the ragged end of the keys)."""
+    NSUB: tl.constexpr = BLOCK // BLOCK_N
+    n = tl.load(ROW_IDX + t // NSUB)
+    sub = (t % NSUB) * BLOCK_N
+    keys = n * BLOCK + sub + offs_n
+    k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, MASKED)
+    v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, MASKED)
+    visible = (qpos[:, None] >= 0) & (offs_n >= 0)[None, :]  # unmasked tiles: every pair (left unused)
+    if MASKED:
+        kpos = tl.load(K_BLOCKS + n) * BLOCK + sub + offs_n
+        visible = (kpos[None, :] <= qpos[:, None]) & (keys < NK)[None, :]
+    return k, v, visible
+
+
 # --------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, qpos, K, V, K_BLOCKS, ROW_IDX, lo, hi, NK, stride_kt, stride_vt, qk_scale,
@@ -152,15 +170,11 @@ def _fwd_tiles(acc, m_i, l_i, q, qpos, K, V, K_BLOCKS, ROW_IDX, lo, hi, NK, stri
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for t in range(lo * NSUB, hi * NSUB):
-        n = tl.load(ROW_IDX + t // NSUB)
-        sub = (t % NSUB) * BLOCK_N
-        keys = n * BLOCK + sub + offs_n
-        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, MASKED)
-        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, MASKED)
+        k, v, visible = _key_subtile(t, qpos, K, V, K_BLOCKS, ROW_IDX, NK, stride_kt, stride_vt, offs_n,
+                                     offs_d, BLOCK, BLOCK_N, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:  # the diagonal tile: causal mask (and the ragged end of the keys)
-            kpos = tl.load(K_BLOCKS + n) * BLOCK + sub + offs_n
-            s = tl.where((kpos[None, :] <= qpos[:, None]) & (keys < NK)[None, :], s, float("-inf"))
+            s = tl.where(visible, s, float("-inf"))
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -276,15 +290,8 @@ def _dq_tiles(dq, q, do, lse, delta, qpos, K, V, K_BLOCKS, ROW_IDX, lo, hi, NK, 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for t in range(lo * NSUB, hi * NSUB):
-        n = tl.load(ROW_IDX + t // NSUB)
-        sub = (t % NSUB) * BLOCK_N
-        keys = n * BLOCK + sub + offs_n
-        k = _load_rows(K, keys, stride_kt, offs_d, keys < NK, MASKED)
-        v = _load_rows(V, keys, stride_vt, offs_d, keys < NK, MASKED)
-        visible = None
-        if MASKED:
-            kpos = tl.load(K_BLOCKS + n) * BLOCK + sub + offs_n
-            visible = (kpos[None, :] <= qpos[:, None]) & (keys < NK)[None, :]
+        k, v, visible = _key_subtile(t, qpos, K, V, K_BLOCKS, ROW_IDX, NK, stride_kt, stride_vt, offs_n,
+                                     offs_d, BLOCK, BLOCK_N, MASKED)
         dq = _dq_step(dq, q, do, lse, delta, k, v, visible, qk_scale, MASKED, DOT_PRECISION)
     return dq
 
