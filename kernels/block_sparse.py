@@ -122,9 +122,10 @@ def _row_tiles(ROW_PTR, ROW_IDX, K_BLOCKS, row, q_block):
 
 
 @triton.jit
-def _bar_rows(BAR_POS, BK, BV, h, c, nbar, skip_row, offs_d, stride_bh, stride_bt, NB,
+def _bar_rows(BAR_POS, BK, BV, h, c, nbar, skip_row, qpos, offs_d, stride_bh, stride_bt, NB,
               BLOCK: tl.constexpr, BAR: tl.constexpr, MASKED: tl.constexpr):
-    """Bar columns ``c .. c + BAR`` of head ``h``: keys, values and (MASKED) positions and which to use.
+    """Bar columns ``c .. c + BAR`` of head ``h``: keys, values and (MASKED) which pairs with the queries at
+    ``qpos`` count (real columns, not inside a selected tile, causal).
 
     Unmasked chunks lie wholly in the clean prefix: every column is real, visible and not in a tile.
     """
@@ -136,10 +137,10 @@ def _bar_rows(BAR_POS, BK, BV, h, c, nbar, skip_row, offs_d, stride_bh, stride_b
         skip = tl.load(skip_row + pos // BLOCK, mask=valid, other=1)
         bk = tl.load(BK + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         bv = tl.load(BV + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        return bk, bv, pos, valid & (skip == 0)
+        return bk, bv, (valid & (skip == 0))[None, :] & (pos[None, :] <= qpos[:, None])
     bk = tl.load(BK + rows[:, None] + offs_d[None, :])
     bv = tl.load(BV + rows[:, None] + offs_d[None, :])
-    return bk, bv, offs_c, offs_c >= 0
+    return bk, bv, (offs_c[None, :] >= 0) & (qpos[:, None] >= 0)  # every pair (left unused)
 
 
 @triton.jit
@@ -186,11 +187,11 @@ def _fwd_bars(acc, m_i, l_i, q, qpos, BAR_POS, BK, BV, skip_row, h, lo, hi, NB, 
     """Fold the bar columns ``lo .. hi`` of head ``h`` into the running state, ``BAR`` at a time."""
     offs_d = tl.arange(0, HEAD_DIM)
     for c in range(lo, hi, BAR):
-        bk, bv, pos, use = _bar_rows(BAR_POS, BK, BV, h, c, hi, skip_row, offs_d, stride_bh, stride_bt, NB,
-                                     BLOCK, BAR, MASKED)
+        bk, bv, visible = _bar_rows(BAR_POS, BK, BV, h, c, hi, skip_row, qpos, offs_d, stride_bh, stride_bt,
+                                    NB, BLOCK, BAR, MASKED)
         s = tl.dot(q, tl.trans(bk), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
-            s = tl.where(use[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+            s = tl.where(visible, s, float("-inf"))
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, bv, DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -303,11 +304,8 @@ def _dq_bars(dq, q, do, lse, delta, qpos, BAR_POS, BK, BV, skip_row, h, lo, hi, 
     """Add the bar columns ``lo .. hi``'s share of dQ, ``BAR`` at a time."""
     offs_d = tl.arange(0, HEAD_DIM)
     for c in range(lo, hi, BAR):
-        bk, bv, pos, use = _bar_rows(BAR_POS, BK, BV, h, c, hi, skip_row, offs_d, stride_bh, stride_bt, NB,
-                                     BLOCK, BAR, MASKED)
-        visible = None
-        if MASKED:
-            visible = use[None, :] & (pos[None, :] <= qpos[:, None])
+        bk, bv, visible = _bar_rows(BAR_POS, BK, BV, h, c, hi, skip_row, qpos, offs_d, stride_bh, stride_bt,
+                                    NB, BLOCK, BAR, MASKED)
         dq = _dq_step(dq, q, do, lse, delta, bk, bv, visible, qk_scale, MASKED, DOT_PRECISION)
     return dq
 
