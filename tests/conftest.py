@@ -174,3 +174,37 @@ def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float | None = None)
     b = b.detach().cpu().double()
     floor = b.numel() ** 0.5 if floor is None else floor
     return float((a.detach().cpu().double() - b).norm() / max(float(b.norm()), floor))
+
+
+def tree_backend_inputs(pack, heads, seed: int, dtype):
+    """Packed ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` and an output gradient for ``heads = (Hq, Hkv, D)``."""
+    hq, hkv, d = heads
+    g = generator(seed)
+    T = pack.num_tokens
+    q, k, v = (randn(g, T, h, d, dtype=dtype) for h in (hq, hkv, hkv))
+    return q, k, v, randn(g, T, hq, d, dtype=dtype)
+
+
+def check_tree_backend(pack, heads, seed: int, dtype, backend: str, tol: float, *, scale=None,
+                       context=None) -> torch.Tensor:
+    """``tree_attention(backend=...)`` (run inside ``context``, e.g. :func:`poisoned_allocations`) against
+    the float64 einops reference: output and the gradients of q, k and v within ``tol``. Returns the
+    output. The inputs are copies: the test also checks that the backend left them unchanged."""
+    from treeattn_lab import reference, tree_attention
+
+    q, k, v, do = tree_backend_inputs(pack, heads, seed, dtype)
+    got = [x.clone().requires_grad_() for x in (q, k, v)]
+    with context or contextlib.nullcontext():
+        out = tree_attention(*got, pack, scale=scale, backend=backend)
+        out.backward(do)
+    want = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference.tree_attention(*want, pack.subtree_end, scale=scale)
+    ref.backward(do.double())
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref) < tol
+    for x, w, original, name in zip(got, want, (q, k, v), "qkv", strict=True):
+        assert torch.equal(x.detach(), original), f"{name} was modified"
+        assert torch.isfinite(x.grad).all(), f"d{name} has non-finite entries"
+        assert relative_error(x.grad, w.grad) < tol, f"d{name} differs"
+    return out

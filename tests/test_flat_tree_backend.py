@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 
 from tests.conftest import (
+    check_tree_backend,
     generator,
     head_configs,
     long_rollout_forests,
@@ -24,6 +25,7 @@ from tests.conftest import (
     relative_error,
     rollout_forests,
     seeds,
+    tree_backend_inputs,
 )
 from treeattn_lab import RolloutTrie, reference, tree_attention
 from treeattn_lab.bench.tree import branching_rollouts
@@ -35,31 +37,10 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 overheads = st.sampled_from([None, 0])  # None: the default (few buckets); 0: one bucket per length
 
 
-def _inputs(pack, heads, seed, dtype):
-    hq, hkv, d = heads
-    g = generator(seed)
-    T = pack.num_tokens
-    q, k, v = (randn(g, T, h, d, dtype=dtype) for h in (hq, hkv, hkv))
-    return q, k, v, randn(g, T, hq, d, dtype=dtype)
-
-
 def _check_against_reference(pack, heads, seed, dtype, *, scale=None, overhead=None):
-    q, k, v, do = _inputs(pack, heads, seed, dtype)
-    got = [x.clone().requires_grad_() for x in (q, k, v)]
     patches = {} if overhead is None else {"BUCKET_OVERHEAD_PAIRS": overhead}
-    with poisoned_allocations(flat_tree, **patches):
-        out = tree_attention(*got, pack, scale=scale, backend="flat")
-        out.backward(do)
-    want = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = reference.tree_attention(*want, pack.subtree_end, scale=scale)
-    ref.backward(do.double())
-    assert out.shape == q.shape and out.dtype == dtype
-    assert torch.isfinite(out).all()
-    assert relative_error(out, ref) < TOL[dtype]
-    for x, w, name in zip(got, want, "qkv", strict=True):
-        assert torch.isfinite(x.grad).all(), f"d{name} has non-finite entries"
-        assert relative_error(x.grad, w.grad) < TOL[dtype], f"d{name} differs"
-    return out
+    return check_tree_backend(pack, heads, seed, dtype, "flat", TOL[dtype], scale=scale,
+                              context=poisoned_allocations(flat_tree, **patches))
 
 
 forests = st.one_of(rollout_forests(max_sequences=6, max_len=16), long_rollout_forests(30, 80))
@@ -81,7 +62,7 @@ def test_prefix_rollouts_single_token_nodes_and_duplicates(order, overhead):
     pack = RolloutTrie.from_sequences(seqs).pack(order)
     out = _check_against_reference(pack, (4, 2, 8), 3, torch.float64, scale=0.3, overhead=overhead)
     # the flat baseline of bench tree: every rollout its own padded sequence, causal SDPA
-    q, k, v, _ = _inputs(pack, (4, 2, 8), 3, torch.float64)
+    q, k, v, _ = tree_backend_inputs(pack, (4, 2, 8), 3, torch.float64)
     padded = [pack.to_padded(x).transpose(1, 2) for x in (q, k, v)]
     flat = F.scaled_dot_product_attention(*padded, is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out.detach(), pack.from_padded(flat.transpose(1, 2)), rtol=1e-12, atol=1e-12)
@@ -213,7 +194,7 @@ def test_one_tensor_as_q_k_and_v(pack):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_keeps_its_dtype(pack, dtype):
-    q, k, v, do = _inputs(pack, (4, 2, 16), 5, torch.float32)
+    q, k, v, do = tree_backend_inputs(pack, (4, 2, 16), 5, torch.float32)
     low = [x.to(dtype).requires_grad_() for x in (q, k, v)]
     out = tree_attention(*low, pack, backend="flat")
     out.backward(do.to(dtype))
@@ -226,7 +207,7 @@ def test_half_precision_keeps_its_dtype(pack, dtype):
 @given(rollout_forests(max_sequences=5, max_len=10), seeds)
 def test_inputs_are_not_mutated(seqs, seed):
     pack = RolloutTrie.from_sequences(seqs).pack()
-    q, k, v, do = _inputs(pack, (4, 2, 8), seed, torch.float32)
+    q, k, v, do = tree_backend_inputs(pack, (4, 2, 8), seed, torch.float32)
     q.requires_grad_()  # k and v frozen: they get no gradient
     before = [x.detach().clone() for x in (q, k, v, do)]
     fields = {n: getattr(pack, n).clone() for n in pack.__dataclass_fields__ if n != "_cache"}

@@ -9,14 +9,17 @@ For each case (the shapes of shared/RESEARCH.md section 1, and the bundled rollo
 - gather-flat: the packed trie, ``tree_attention(backend="flat")``: every root-to-leaf rollout gathered out
   of the pack into length buckets, causal SDPA, each token's output written back from one rollout (plan
   built once, not timed; the gathers and scatters are timed);
+- varlen: the packed trie, ``tree_attention(backend="varlen")``: FlashAttention's varlen kernel with one
+  sequence per leaf, the packed queries as they are and each leaf's rollout gathered as keys (the gathers
+  and the backward's sums into the pack are timed);
 - auto: the packed trie, ``tree_attention(backend="auto")`` (its pick is reported: gather-flat when the
   pack shares little, else triton).
 
 Reported: median ms forward and forward+backward, speed-up over flat, the ideal speed-up (attended pairs
 flat / tree) and useful TFLOP/s = attended pairs x 4 x heads x head_dim / time (x 3.5 for fwd+bwd:
-the backward does 2.5 times the forward's matrix work). ``--check`` also compares the bf16 triton and
-gather-flat outputs and gradients with an fp32 flat reference. When auto runs, a second table puts auto
-beside flat SDPA and triton for every case.
+the backward does 2.5 times the forward's matrix work). ``--check`` also compares the bf16 triton,
+gather-flat and varlen outputs and gradients with an fp32 flat reference. When auto runs, a second table
+puts auto beside flat SDPA and triton for every case.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from .harness import environment, print_table, time_ms, write_results
 
 # bench row name -> tree_attention backend ("flat" is the flat SDPA baseline, not a tree_attention backend)
 TREE_BACKENDS = {"reference": "reference", "flex": "flex", "triton": "triton", "gather-flat": "flat",
-                 "auto": "auto"}
+                 "varlen": "varlen", "auto": "auto"}
 ROW_OF_BACKEND = {b: row for row, b in TREE_BACKENDS.items()}
 
 
@@ -176,7 +179,7 @@ def run_case(case: TreeCase, *, heads: int, dim: int, dtype, device, backends, c
             r["fwd_speedup"] = flat["fwd_ms"] / r["fwd_ms"]
             r["fwd_bwd_speedup"] = flat["fwd_bwd_ms"] / r["fwd_bwd_ms"]
     for r in rows:
-        if check and r["backend"] in ("triton", "gather-flat"):
+        if check and r["backend"] in ("triton", "gather-flat", "varlen"):
             r.update(check_against_flat(pack, heads, dim, device, gen, TREE_BACKENDS[r["backend"]]))
     return rows
 
@@ -216,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", choices=["research", "data", "all", "quick"], default=None,
                         help="default: all on a GPU, quick on the CPU")
     parser.add_argument("--backends", default=None,
-                        help="comma list of flat,flex,triton,gather-flat,auto (and reference); default: all "
-                             "but reference on a GPU, flat,reference,triton,gather-flat,auto on the CPU")
+                        help="comma list of flat,flex,triton,gather-flat,varlen,auto (and reference); "
+                             "default: all but reference on a GPU, all but flex on the CPU")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--check", action="store_true", help="also check triton bf16 against fp32 flat")
@@ -231,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = {"research": research_cases, "data": dataset_cases, "quick": quick_cases,
              "all": lambda: research_cases() + dataset_cases()}[which]()
     backends = args.backends.split(",") if args.backends else (
-        ["flat", "flex", "triton", "gather-flat", "auto"] if cuda
-        else ["flat", "reference", "triton", "gather-flat", "auto"])
+        ["flat", "flex", "triton", "gather-flat", "varlen", "auto"] if cuda
+        else ["flat", "reference", "triton", "gather-flat", "varlen", "auto"])
     unknown = [b for b in backends if b != "flat" and b not in TREE_BACKENDS]
     if unknown:
         parser.error(f"unknown backends {unknown}; choose from flat, {', '.join(TREE_BACKENDS)}")

@@ -121,6 +121,20 @@ def _timed(fn, reps: int, group) -> float:
     return statistics.median(samples)
 
 
+def _profile(fn, rank: int, out: Path) -> None:
+    """One profiled run of ``fn`` (after a barrier): kernels, NCCL and copies on this rank's GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f"sparse-ring-trace-rank{rank}.json"))
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab.distributed.ring_check",
                                      description=__doc__,
@@ -132,6 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", default="striped,zigzag,contiguous")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one fwd+bwd of the first layout: rank 0 prints its top GPU ops, "
+                             "every rank writes a chrome trace next to the results")
     args = parser.parse_args(argv)
 
     import triton  # noqa: F401  (the GPU path needs it)
@@ -165,7 +182,7 @@ def main(argv=None) -> int:
 
     single = {"fwd_ms": time_ms(single_fwd, device=device),
               "fwd_bwd_ms": time_ms(single_fwd_bwd, grad_to_none=full, device=device)}
-    rows = []
+    rows, profiled = [], []
     for layout in args.layouts.split(","):
         local = [shard(x, layout, world, rank, bs).requires_grad_() for x in (q, k, v)]
         do_local = shard(do, layout, world, rank, bs)
@@ -189,10 +206,13 @@ def main(argv=None) -> int:
             dist.all_reduce(e, op=dist.ReduceOp.MAX)
             err[f"rel_err_{name}"] = float(e)
         fwd_ms, fwd_bwd_ms = _timed(ring_fwd, args.reps, None), _timed(ring_fwd_bwd, args.reps, None)
+        profiled.append(ring_fwd_bwd)
         rows.append({"tokens": N, "world": world, "layout": layout, "single_fwd_ms": single["fwd_ms"],
                      "single_fwd_bwd_ms": single["fwd_bwd_ms"], "ring_fwd_ms": fwd_ms,
                      "ring_fwd_bwd_ms": fwd_bwd_ms, "fwd_speedup": single["fwd_ms"] / fwd_ms,
                      "fwd_bwd_speedup": single["fwd_bwd_ms"] / fwd_bwd_ms, **err})
+    if args.profile:
+        _profile(profiled[0], rank, Path(args.out or "bench/results"))
     if rank == 0:
         env = environment()
         env["world"] = world

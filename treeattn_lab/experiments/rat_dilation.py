@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=sorted(MODES), default="quick")
     parser.add_argument("--steps", type=int, default=None, help="override the mode's training steps")
+    parser.add_argument("--adapt-steps", type=int, default=None, help="override the mode's adaptation steps")
     parser.add_argument("--seeds", default=None, help="comma list, e.g. 0,1,2")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = MODES[args.mode]
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps)
+    if args.adapt_steps is not None:
+        cfg = replace(cfg, adapt_steps=args.adapt_steps)
     if args.seeds:
         cfg = replace(cfg, seeds=tuple(int(s) for s in args.seeds.split(",")))
     if args.merge:

@@ -4,7 +4,8 @@ Every op has the same three backends: ``"reference"`` (the einops definition, an
 (PyTorch FlexAttention with the op's ``mask_mod``) and ``"triton"`` (the op's kernel in ``kernels/``).
 ``"auto"`` picks the fastest available: triton on CUDA, else flex on CUDA, else the reference.
 Tree attention also has ``"flat"`` (causal SDPA per rollout, ``ops/flat_tree.py``), which ``"auto"``
-picks on CUDA when the caller reports that the pack shares little (``low_sharing``).
+picks on CUDA when the caller reports that the pack shares little (``low_sharing``), and ``"varlen"``
+(FlashAttention's varlen kernel, one sequence per leaf, ``ops/varlen_tree.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ KERNELS = {  # op -> its kernel module in kernels/ (installed as treeattn_lab.ke
     "gated_scan": "scan",
 }
 NO_FLEX = ("gated_scan",)  # a recurrence, not attention
-OP_BACKENDS = {"tree_attention": ("flat",)}  # backends only some ops have (plain torch, always available)
+# backends only some ops have (plain torch, always available)
+OP_BACKENDS = {"tree_attention": ("flat", "varlen")}
 
 
 def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:

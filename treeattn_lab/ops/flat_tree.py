@@ -52,6 +52,7 @@ __all__ = [
     "flat_plan",
     "flat_tree_attention",
     "group_lengths",
+    "leaf_rollouts",
     "prefers_flat",
     "rollout_pair_ratio",
 ]
@@ -185,12 +186,19 @@ def _rollout(pack, leaf: int, start: torch.Tensor, end: torch.Tensor, owned_from
     return rows, owned
 
 
-def _build_plan(pack) -> FlatPlan:
+def leaf_rollouts(pack) -> list[tuple[torch.Tensor, int]]:
+    """``(rows, owned)`` per leaf in DFS preorder, on the CPU: the packed rows of the leaf's rollout and
+    how many of its last rows it owns. The owned ranges are contiguous and tile ``0 .. T`` in order."""
     start, end = pack.node_start.cpu(), pack.node_end.cpu()
     rollouts, owned_from = [], 0
     for leaf in _leaf_nodes(pack).tolist():
         rollouts.append(_rollout(pack, leaf, start, end, owned_from))
         owned_from = int(end[leaf])
+    return rollouts
+
+
+def _build_plan(pack) -> FlatPlan:
+    rollouts = leaf_rollouts(pack)
     buckets = []
     for group in group_lengths([rows.numel() for rows, _ in rollouts]):
         L = max(rollouts[i][0].numel() for i in group)

@@ -7,6 +7,9 @@ Backends:
 - ``"triton"``: the lab's tile-skipping Triton kernel (``treeattn_lab.kernels.tree_attention``).
 - ``"flat"``: causal SDPA (FlashAttention on CUDA) over every root-to-leaf rollout gathered out of the
   pack, each token's output taken from one rollout (``ops/flat_tree.py``).
+- ``"varlen"``: FlashAttention's variable-length kernel with one sequence per leaf: the packed queries as
+  they are, each leaf's rollout gathered as keys, causal aligned bottom-right (``ops/varlen_tree.py``);
+  every visible pair once, at flash's speed per pair.
 - ``"auto"``: the fastest available: on CUDA flat when the pack shares little (attended pairs flat / tree
   below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once per pack) and the inputs are fp16 / bf16, else
   triton, else flex; reference on the CPU.
@@ -20,6 +23,7 @@ from .. import reference
 from .backends import available_backends, choose_backend
 from .flat_tree import flat_tree_attention, prefers_flat
 from .validation import check_qkv, check_scale
+from .varlen_tree import varlen_tree_attention
 
 __all__ = ["available_backends", "choose_backend", "choose_tree_backend", "tree_attention"]
 
@@ -58,6 +62,8 @@ def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = 
         return flex_tree_attention(q, k, v, pack, scale=scale)
     if name == "flat":
         return flat_tree_attention(q, k, v, pack, scale=scale)
+    if name == "varlen":
+        return varlen_tree_attention(q, k, v, pack, scale=scale)
     from ..kernels.tree_attention import triton_tree_attention
 
     return triton_tree_attention(q, k, v, pack, scale=scale)
