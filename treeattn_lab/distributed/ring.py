@@ -14,16 +14,21 @@ Forward
        next keys travel meanwhile (point-to-point, posted before the compute).
 Backward
     With the final output's log-sum-exp and ``delta = rowsum(dO * O)`` every step's gradient is exact
-    on its own. The keys go around the ring a second time; each step computes dQ (accumulated locally,
-    fp32), and dK, dV of the keys held (fresh fp32), adds the accumulator arriving from the rank that
-    held those keys before, and passes it on: a second ring of fp32 dK/dV that ends at the keys' owner.
+    on its own. The keys go around the ring a second time, *backwards*: the backward starts on the keys
+    the forward ended with (kept from the forward: no transfer before the first step) and ends on the
+    rank's own. Each step computes dQ (accumulated locally, fp32), and dK, dV of the keys held (fresh
+    fp32), adds the accumulator arriving from the rank that held those keys one step later, and passes
+    it on: a second ring of fp32 dK/dV whose last stop is the keys' owner, computing its own part, so
+    no transfer is left after the last kernel (walking forwards, the finished accumulators had to make
+    one more hop home: 2 GB of fp32 per rank at 256K tokens on 2 ranks, about 6 ms exposed on H200s).
     The bars' dK, dV (computed at step 0) are summed over ranks with one all-reduce and added by the
     owners.
 
 Hierarchical rings (``inner=ranks per node``) visit a node's ranks in an inner loop and move to the
-previous node in an outer loop; the outer transfer is posted before the inner loop (forward and
-backward), so it hides behind a whole inner loop of compute. :class:`RingPlan` holds a rank's per-step
-kernel indices, built once per (pattern, tokens, layout, world, rank) and cached on the pattern.
+previous node in an outer loop; in the forward the outer transfer is posted before the inner loop, so it
+hides behind a whole inner loop of compute (the backward walks the same steps in reverse, one hop each).
+:class:`RingPlan` holds a rank's per-step kernel indices, built once per (pattern, tokens, layout, world,
+rank) and cached on the pattern.
 
 Per-step math comes from a *step backend*: ``"triton"`` (the kernel) or ``"reference"`` (an einops twin,
 for CPU tests without the interpreter's cost).
@@ -256,27 +261,25 @@ def _ring_forward(q, k, v, bar_k, bar_v, plan: RingPlan, scale, step, group):
         elif t < plan.world - 1:
             outer_comm.wait()
             cur = outer_next
-    return state[0].to(q.dtype), state[1]
+    return state[0].to(q.dtype), state[1], cur  # cur: the last step's keys, where the backward starts
 
 
-def _ring_backward(do, q, k, v, bar_k, bar_v, o, lse2, plan: RingPlan, scale, step, group):
+def _ring_backward(do, q, k, v, last_kv, bar_k, bar_v, o, lse2, plan: RingPlan, scale, step, group):
+    """The ring walked backwards: from the keys the forward ended on (``last_kv``) to the rank's own, so
+    the dK/dV accumulator of each key block ends on its owner's last step instead of a final hop."""
     sched = plan.schedule
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     delta = step.delta(o, do)
     dq = torch.zeros(q.shape, device=q.device, dtype=acc_dtype)
-    kv_comm, outer_comm, dkv_comm = _Transfers(group), _Transfers(group), _Transfers(group)
-    cur = [k, v]
-    outer_next = None
-    incoming = None  # the dK, dV accumulator of the keys held, from the rank that held them before
+    kv_comm, dkv_comm = _Transfers(group), _Transfers(group)
+    cur = list(last_kv)
+    incoming = None  # the dK, dV accumulator of the keys held, from the rank that held them at step t + 1
     dbar = (None, None)
-    for t in range(plan.world):
-        o_step, i_step = divmod(t, sched.inner)
-        if i_step == 0 and o_step < sched.outer - 1:
-            outer_next = outer_comm.exchange(sched.outer_next(plan.rank), sched.outer_prev(plan.rank), cur,
-                                             _TAG_OUTER)
-        nxt = None
-        if i_step < sched.inner - 1:
-            nxt = kv_comm.exchange(sched.inner_next(plan.rank), sched.inner_prev(plan.rank), cur, _TAG_KV)
+    for t in reversed(range(plan.world)):
+        origin = sched.origin(plan.rank, t)
+        if t > 0:  # step t - 1's keys: from their holder at step t; ours go to theirs at step t - 1
+            to, frm = sched.holder(origin, t - 1), sched.holder(sched.origin(plan.rank, t - 1), t)
+            nxt = kv_comm.exchange(to, frm, cur, _TAG_KV)
         dk = torch.empty(k.shape, device=k.device, dtype=acc_dtype)
         dv = torch.empty(v.shape, device=v.device, dtype=acc_dtype)
         dbk, dbv = step.backward(do, q, cur[0], cur[1], bar_k, bar_v, lse2, delta, plan.steps[t], scale,
@@ -287,21 +290,10 @@ def _ring_backward(do, q, k, v, bar_k, bar_v, o, lse2, plan: RingPlan, scale, st
             dkv_comm.wait()
             dk += incoming[0]
             dv += incoming[1]
-        origin = sched.origin(plan.rank, t)
-        if t < plan.world - 1:  # pass the accumulator to the next rank computing on these keys
-            nxt_origin = sched.origin(plan.rank, t + 1)
-            incoming = dkv_comm.exchange(sched.holder(origin, t + 1), sched.holder(nxt_origin, t), [dk, dv],
-                                         _TAG_DKV)
-        else:  # done: send it home, and receive our own keys' gradients
-            incoming = dkv_comm.exchange(origin, sched.holder(plan.rank, t), [dk, dv], _TAG_DKV)
-        kv_comm.wait()
-        if nxt is not None:
+        if t > 0:  # pass the accumulator on, receive the one of step t - 1's keys
+            incoming = dkv_comm.exchange(to, frm, [dk, dv], _TAG_DKV)
+            kv_comm.wait()
             cur = nxt
-        elif t < plan.world - 1:
-            outer_comm.wait()
-            cur = outer_next
-    dkv_comm.wait()
-    dk, dv = incoming
     if dbar[0] is not None:  # bar columns: sum over ranks, owners add their columns
         dbar_kv = torch.stack(dbar).to(acc_dtype)
         dist.all_reduce(dbar_kv, group=group)
@@ -318,16 +310,16 @@ class _RingSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, scale, step, group):
         bar_k, bar_v = _gather_bars(k, v, plan, group)
-        o, lse2 = _ring_forward(q, k, v, bar_k, bar_v, plan, scale, step, group)
-        ctx.save_for_backward(q, k, v, bar_k, bar_v, o, lse2)
+        o, lse2, last_kv = _ring_forward(q, k, v, bar_k, bar_v, plan, scale, step, group)
+        ctx.save_for_backward(q, k, v, *last_kv, bar_k, bar_v, o, lse2)
         ctx.plan, ctx.scale, ctx.step, ctx.group = plan, scale, step, group
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, bar_k, bar_v, o, lse2 = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, bar_k, bar_v, o, lse2, ctx.plan, ctx.scale,
-                                    ctx.step, ctx.group)
+        q, k, v, last_k, last_v, bar_k, bar_v, o, lse2 = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, (last_k, last_v), bar_k, bar_v, o, lse2,
+                                    ctx.plan, ctx.scale, ctx.step, ctx.group)
         return dq, dk, dv, None, None, None, None
 
 

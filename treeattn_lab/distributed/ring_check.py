@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", default="striped,zigzag,contiguous")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    parser.add_argument("--high-priority", action="store_true",
+                        help="NCCL on high-priority streams: transfers start ahead of queued kernel blocks")
     parser.add_argument("--profile", action="store_true",
                         help="profile one fwd+bwd of the first layout: rank 0 prints its top GPU ops, "
                              "every rank writes a chrome trace next to the results")
@@ -157,7 +159,11 @@ def main(argv=None) -> int:
     from ..ops.sparse import sparse_attention
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    options = None
+    if cuda and args.high_priority:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+    dist.init_process_group("nccl" if cuda else "gloo", pg_options=options)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
@@ -216,6 +222,7 @@ def main(argv=None) -> int:
     if rank == 0:
         env = environment()
         env["world"] = world
+        env["nccl_high_priority_streams"] = bool(args.high_priority)
         columns = [("layout", "layout"), ("tokens", "tokens"), ("single_fwd_bwd_ms", "1 GPU fwd+bwd ms"),
                    ("ring_fwd_bwd_ms", f"ring x{world} fwd+bwd ms"), ("fwd_bwd_speedup", "fwd+bwd x 1 GPU"),
                    ("fwd_speedup", "fwd x 1 GPU"), ("rel_err_out", "err out"), ("rel_err_dk", "err dk")]
