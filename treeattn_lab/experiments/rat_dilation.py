@@ -20,7 +20,8 @@ The issue's target reads: RAT+ at D = 16 within 5% of its own D = 1 loss after a
 attention at D = 16 loses clearly more. Whatever the tiny scale shows is reported as measured.
 
 Modes: ``tiny`` (notebook smoke run, well under a minute), ``quick`` (a few minutes on a CPU),
-``full`` (a GPU: wider models, longer sequences, three seeds).
+``full`` (a GPU: wider models, longer sequences, three seeds; one seed takes about 4 minutes on an H200,
+so run seeds as separate processes, one per GPU, and join them with ``--merge``).
 
     python -m treeattn_lab.experiments.rat_dilation --mode quick
 """
@@ -75,7 +76,7 @@ MODES = {
                              eval_windows=8, sparse_dilation=32),
     "quick": ExperimentConfig(),
     "full": ExperimentConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688, seq_len=1024,
-                             batch_size=16, steps=600, window=64, initial=4, adapt_steps=100,
+                             batch_size=16, steps=600, window=64, initial=4, adapt_steps=50,
                              eval_windows=128, seeds=(0, 1, 2)),
 }
 MODELS = ("plain", "rat+")
