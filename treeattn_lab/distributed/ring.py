@@ -120,12 +120,14 @@ class TritonStep:
         return attention_delta(o, do)
 
     @staticmethod
-    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv):
-        """Accumulates into ``dq``; writes the step's dK, dV into the fresh fp32 ``dk``, ``dv``."""
+    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv, add_kv):
+        """Accumulates into ``dq``; writes the step's dK, dV into the fp32 ``dk``, ``dv``, or adds them to
+        their contents once ``add_kv()`` returns (None: fresh buffers, nothing to add)."""
         from ..kernels.block_sparse import sparse_backward
 
         _, _, _, dbk, dbv = sparse_backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale=scale,
-                                            dq=dq, dk=dk, dv=dv, accumulate_q=True)
+                                            dq=dq, dk=dk, dv=dv, accumulate_q=True,
+                                            accumulate_kv=add_kv is not None, before_dkdv=add_kv)
         return dbk, dbv
 
 
@@ -166,7 +168,7 @@ class ReferenceStep:
         return (o.to(torch.float64) * do.to(torch.float64)).sum(-1).T.to(acc).contiguous()
 
     @staticmethod
-    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv):
+    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv, add_kv):
         if index.bar_pos is None:
             bar_k, bar_v = bar_k[:, :0], bar_v[:, :0]
         s, group = ReferenceStep._scores(q, k, bar_k, index, scale)
@@ -180,8 +182,15 @@ class ReferenceStep:
         dq += (einsum(ds, kq, "h t s, h s d -> t h d") * scale).to(dq.dtype)
         dkq = einsum(ds, q, "h t s, t h d -> h s d") * scale
         dvq = einsum(p, do, "h t s, t h d -> h s d")
-        dk.copy_(dkq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1))
-        dv.copy_(dvq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1))
+        step_dk = dkq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1)
+        step_dv = dvq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1)
+        if add_kv is None:
+            dk.copy_(step_dk)
+            dv.copy_(step_dv)
+        else:
+            add_kv()
+            dk += step_dk
+            dv += step_dv
         if index.bar_pos is None:
             return None, None
         return dkq[:, n_keys:], dvq[:, n_keys:]
@@ -280,16 +289,15 @@ def _ring_backward(do, q, k, v, last_kv, bar_k, bar_v, o, lse2, plan: RingPlan, 
         if t > 0:  # step t - 1's keys: from their holder at step t; ours go to theirs at step t - 1
             to, frm = sched.holder(origin, t - 1), sched.holder(sched.origin(plan.rank, t - 1), t)
             nxt = kv_comm.exchange(to, frm, cur, _TAG_KV)
-        dk = torch.empty(k.shape, device=k.device, dtype=acc_dtype)
-        dv = torch.empty(v.shape, device=v.device, dtype=acc_dtype)
+        if incoming is None:  # the first holder of these keys: fresh buffers
+            dk = torch.empty(k.shape, device=k.device, dtype=acc_dtype)
+            dv = torch.empty(v.shape, device=v.device, dtype=acc_dtype)
+        else:  # the kernel adds into the arriving accumulator, waiting for it only before its dK/dV launch
+            dk, dv = incoming
         dbk, dbv = step.backward(do, q, cur[0], cur[1], bar_k, bar_v, lse2, delta, plan.steps[t], scale,
-                                 dq, dk, dv)
+                                 dq, dk, dv, None if incoming is None else dkv_comm.wait)
         if t == 0:
             dbar = (dbk, dbv)
-        if incoming is not None:
-            dkv_comm.wait()
-            dk += incoming[0]
-            dv += incoming[1]
         if t > 0:  # pass the accumulator on, receive the one of step t - 1's keys
             incoming = dkv_comm.exchange(to, frm, [dk, dv], _TAG_DKV)
             kv_comm.wait()
