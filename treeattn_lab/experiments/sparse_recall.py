@@ -71,7 +71,7 @@ def capture_qk(model, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
     was_training = model.training
     model.eval()
     try:
-        positions = torch.arange(windows.shape[1]).expand_as(windows)
+        positions = torch.arange(windows.shape[1], device=windows.device).expand_as(windows)
         model(windows, positions, recording_attention)
     finally:
         model.train(was_training)
@@ -89,18 +89,18 @@ def measure(q: torch.Tensor, k: torch.Tensor, budget: int) -> dict[str, tuple[to
 
 
 def run_experiment(*, steps: int = 300, seq_len: int = 512, batch_size: int = 16, windows: int = 8,
-                   budgets=BUDGETS, seed: int = 0, progress: bool = True) -> dict:
-    """Train, capture, measure. Returns ``{"rows", "raw", "config", "train", "seconds"}``."""
+                   budgets=BUDGETS, seed: int = 0, progress: bool = True, device="cpu") -> dict:
+    """Train, capture, measure (on ``device``). Returns ``{"rows", "raw", "config", "train", "seconds"}``."""
     budgets = sorted(set(budgets))
     if not budgets or min(budgets) < 1:
         raise ValueError(f"budgets must be positive ints, got {budgets}")
     start = time.perf_counter()
-    model = notebook_model(seed)
-    history = train_language_model(model, load_corpus("train"), steps=steps, batch_size=batch_size,
+    model = notebook_model(seed).to(device)
+    history = train_language_model(model, load_corpus("train").to(device), steps=steps, batch_size=batch_size,
                                    seq_len=seq_len, lr=3e-3, seed=seed, progress=progress)
     train_seconds = time.perf_counter() - start
-    data = validation_windows(windows, seq_len)
-    val_loss = evaluate_loss(model, load_corpus("validation"), seq_len=seq_len, max_windows=64)
+    data = validation_windows(windows, seq_len).to(device)
+    val_loss = evaluate_loss(model, load_corpus("validation").to(device), seq_len=seq_len, max_windows=64)
     captured = capture_qk(model, data)
 
     raw = []  # one entry per (window, layer, budget, kind): per-head recall and the pattern's density
@@ -162,10 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
     result = run_experiment(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                             windows=args.windows, budgets=args.budgets, seed=args.seed,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress,
+                            device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from ..bench.harness import environment, print_table, write_results
 
     env = environment()
