@@ -48,6 +48,23 @@ may instead *split the groups*: run the kernel per query head over K/V repeated 
 partial dK/dV per query head, and sum each group afterwards. A second kernel owns a query tile and head
 and accumulates dQ over the forward schedule.
 
+Loading tiles: pointers or TMA
+------------------------------
+Each step of an inner loop reads a ``[BLOCK, HEAD_DIM]`` tile of one head's rows (K and V in the forward
+and dQ kernels, Q and dO in the dK/dV kernel). By default a kernel builds the tile's grid of pointers and
+loads it (masked on partial tiles, which may hang over ``T``); Triton pipelines these loads as ``cp.async``
+copies. A launch config whose 5th field is ``True`` selects the Hopper path (sm_90+, the constexpr
+``USE_TMA`` of the same kernels): each program makes one TMA tensor descriptor per streamed tensor on the
+device, ``tl.make_tensor_descriptor`` over that head's ``[T, HEAD_DIM]`` rows, and loads tiles with
+``desc.load([row, 0])``. The copy engine moves the whole tile to shared memory with no per-thread address
+arithmetic, and fills rows ``>= T`` with zeros, so no load needs a mask; the score mask still hides those
+keys. The tiles a program loads only once (its own Q, dO or K, V rows) stay pointer loads. Descriptors
+live in a small global scratch buffer that Triton requests from the allocator of ``triton.set_allocator``.
+The TMA path is compiled for sm_90 and checked under the interpreter but not yet timed on a GPU: the
+defaults keep pointer loads until ``bench tree-tune`` measures both. (``tl.range(...,
+warp_specialize=True)`` is not used: in Triton 3.6 on sm_90 it leaves these loops unchanged at 8 warps
+and fails to compile them at 4.)
+
 Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use IEEE fp32
 dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32 / fp16 there.
 """
@@ -127,23 +144,49 @@ def _csr(full: torch.Tensor, partial: torch.Tensor):
     return ptr.to(torch.int32).contiguous(), cols[order].to(torch.int32).contiguous()
 
 
+# --------------------------------------------------------------------------------------- tile loads
+@triton.jit
+def _rows_of(X, T, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where one head's ``[T, HEAD_DIM]`` rows are read from: the pointer ``X`` itself, or (``USE_TMA``) a
+    TMA descriptor over them that loads ``[BLOCK, HEAD_DIM]`` tiles, zero-filling rows ``>= T``."""
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(X, shape=[T, HEAD_DIM], strides=[stride_t, 1],
+                                        block_shape=[BLOCK, HEAD_DIM])
+    else:
+        src = X
+    return src
+
+
+@triton.jit
+def _load_rows(src, row0, T, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Rows ``row0 .. row0 + BLOCK`` of one head (from :func:`_rows_of`), zero beyond ``T``.
+
+    Pointer loads check ``rows < T`` only when ``MASKED`` (a tile that may hang over the end); a TMA load
+    never needs the check: the copy engine fills out-of-range rows with zeros.
+    """
+    if USE_TMA:
+        tile = src.load([row0, 0])
+    else:
+        offs = row0 + tl.arange(0, BLOCK)
+        ptrs = src + offs.to(tl.int64)[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
+        tile = tl.load(ptrs, mask=(offs < T)[:, None], other=0.0) if MASKED else tl.load(ptrs)
+    return tile
+
+
 # --------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(
-    acc, m_i, l_i, q, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc, m_i, l_i, q, k_src, v_src, SE, j, offs_m, T, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)
-    if MASKED:
-        in_range = offs_n < T
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        se = tl.load(SE + offs_n, mask=in_range, other=0)
+    k = _load_rows(k_src, j * BLOCK_N, T, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA, MASKED)
+    v = _load_rows(v_src, j * BLOCK_N, T, stride_vt, BLOCK_N, HEAD_DIM, USE_TMA, MASKED)
+    if MASKED:  # keys >= T load as zeros: the mask (se = 0 there) must still hide them
+        se = tl.load(SE + offs_n, mask=offs_n < T, other=0)
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
-    else:
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -163,7 +206,7 @@ def _tree_attn_fwd(
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -172,10 +215,9 @@ def _tree_attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m.to(tl.int64)
     in_range = offs_m < T
-    q = tl.load(Q + head * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)
-    K += kv_head * stride_kh
-    V += kv_head * stride_vh
+    q = _load_rows(Q + head * stride_qh, tile * BLOCK_M, T, stride_qt, BLOCK_M, HEAD_DIM, False, True)
+    k_src = _rows_of(K + kv_head * stride_kh, T, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
+    v_src = _rows_of(V + kv_head * stride_vh, T, stride_vt, BLOCK_N, HEAD_DIM, USE_TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -184,12 +226,12 @@ def _tree_attn_fwd(
     end = tl.load(PTR + tile * 3 + 2)
     for it in range(start, full_end):  # whole tiles every query sees: no mask
         j = tl.load(IDX + it)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
-                                  qk_scale, BLOCK_N, False, DOT_PRECISION)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_src, v_src, SE, j, offs_m, T, stride_kt, stride_vt,
+                                  qk_scale, BLOCK_N, HEAD_DIM, False, DOT_PRECISION, USE_TMA)
     for it in range(full_end, end):  # diagonal and branch-boundary tiles: element mask
         j = tl.load(IDX + it)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
-                                  qk_scale, BLOCK_N, True, DOT_PRECISION)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_src, v_src, SE, j, offs_m, T, stride_kt, stride_vt,
+                                  qk_scale, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, USE_TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(O + head * stride_oh + rows[:, None] * stride_ot + offs_d[None, :],
@@ -200,20 +242,18 @@ def _tree_attn_fwd(
 # --------------------------------------------------------------------------------------- backward
 @triton.jit
 def _bwd_dkdv_tile(
-    dk, dv, k, v, Q, DO, LSE, DELTA, SE, i, offs_n, offs_d, T, stride_qt, stride_dot, qk_scale,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    dk, dv, k, v, q_src, do_src, LSE, DELTA, SE, i, offs_n, T, stride_qt, stride_dot, qk_scale,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = offs_m.to(tl.int64)
+    q = _load_rows(q_src, i * BLOCK_M, T, stride_qt, BLOCK_M, HEAD_DIM, USE_TMA, MASKED)
+    do = _load_rows(do_src, i * BLOCK_M, T, stride_dot, BLOCK_M, HEAD_DIM, USE_TMA, MASKED)
     if MASKED:
         in_range = offs_m < T
-        q = tl.load(Q + rows[:, None] * stride_qt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dot + offs_d[None, :], mask=in_range[:, None], other=0.0)
         lse = tl.load(LSE + offs_m, mask=in_range, other=0.0)
         delta = tl.load(DELTA + offs_m, mask=in_range, other=0.0)
     else:
-        q = tl.load(Q + rows[:, None] * stride_qt + offs_d[None, :])
-        do = tl.load(DO + rows[:, None] * stride_dot + offs_d[None, :])
         lse = tl.load(LSE + offs_m)
         delta = tl.load(DELTA + offs_m)
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
@@ -236,7 +276,7 @@ def _tree_attn_bwd_dkdv(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     qk_scale, scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -244,10 +284,8 @@ def _tree_attn_bwd_dkdv(
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_n.to(tl.int64)
     in_range = offs_n < T
-    k = tl.load(K + kv_head * stride_kh + rows[:, None] * stride_kt + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)
-    v = tl.load(V + kv_head * stride_vh + rows[:, None] * stride_vt + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)
+    k = _load_rows(K + kv_head * stride_kh, tile * BLOCK_N, T, stride_kt, BLOCK_N, HEAD_DIM, False, True)
+    v = _load_rows(V + kv_head * stride_vh, tile * BLOCK_N, T, stride_vt, BLOCK_N, HEAD_DIM, False, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     start = tl.load(PTR + tile * 3)
@@ -255,18 +293,20 @@ def _tree_attn_bwd_dkdv(
     end = tl.load(PTR + tile * 3 + 2)
     for g in range(GROUP):  # the query heads that share this kv head
         head = kv_head * GROUP + g
-        Qh = Q + head * stride_qh
-        DOh = DO + head * stride_doh
+        q_src = _rows_of(Q + head * stride_qh, T, stride_qt, BLOCK_M, HEAD_DIM, USE_TMA)
+        do_src = _rows_of(DO + head * stride_doh, T, stride_dot, BLOCK_M, HEAD_DIM, USE_TMA)
         LSEh = LSE + head * T
         DELTAh = DELTA + head * T
         for it in range(start, full_end):
             i = tl.load(IDX + it)
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, SE, i, offs_n, offs_d, T,
-                                    stride_qt, stride_dot, qk_scale, BLOCK_M, False, DOT_PRECISION)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_src, do_src, LSEh, DELTAh, SE, i, offs_n, T,
+                                    stride_qt, stride_dot, qk_scale, BLOCK_M, HEAD_DIM, False, DOT_PRECISION,
+                                    USE_TMA)
         for it in range(full_end, end):
             i = tl.load(IDX + it)
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, SE, i, offs_n, offs_d, T,
-                                    stride_qt, stride_dot, qk_scale, BLOCK_M, True, DOT_PRECISION)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_src, do_src, LSEh, DELTAh, SE, i, offs_n, T,
+                                    stride_qt, stride_dot, qk_scale, BLOCK_M, HEAD_DIM, True, DOT_PRECISION,
+                                    USE_TMA)
     tl.store(DK + kv_head * stride_dkh + rows[:, None] * stride_dkt + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=in_range[:, None])
     tl.store(DV + kv_head * stride_dvh + rows[:, None] * stride_dvt + offs_d[None, :],
@@ -275,22 +315,17 @@ def _tree_attn_bwd_dkdv(
 
 @triton.jit
 def _bwd_dq_tile(
-    dq, q, do, lse, delta, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    dq, q, do, lse, delta, k_src, v_src, SE, j, offs_m, T, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)
-    if MASKED:
-        in_range = offs_n < T
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    else:
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
+    k = _load_rows(k_src, j * BLOCK_N, T, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA, MASKED)
+    v = _load_rows(v_src, j * BLOCK_N, T, stride_vt, BLOCK_N, HEAD_DIM, USE_TMA, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     p = tl.exp2(s - lse[:, None])
     if MASKED:
-        se = tl.load(SE + offs_n, mask=in_range, other=0)
+        se = tl.load(SE + offs_n, mask=offs_n < T, other=0)
         visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < se[None, :])
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -305,7 +340,7 @@ def _tree_attn_bwd_dq(
     stride_dqt, stride_dqh,
     qk_scale, scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -314,33 +349,32 @@ def _tree_attn_bwd_dq(
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m.to(tl.int64)
     in_range = offs_m < T
-    q = tl.load(Q + head * stride_qh + rows[:, None] * stride_qt + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)
-    do = tl.load(DO + head * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
-                 mask=in_range[:, None], other=0.0)
+    q = _load_rows(Q + head * stride_qh, tile * BLOCK_M, T, stride_qt, BLOCK_M, HEAD_DIM, False, True)
+    do = _load_rows(DO + head * stride_doh, tile * BLOCK_M, T, stride_dot, BLOCK_M, HEAD_DIM, False, True)
     lse = tl.load(LSE + head * T + offs_m, mask=in_range, other=0.0)
     delta = tl.load(DELTA + head * T + offs_m, mask=in_range, other=0.0)
-    K += kv_head * stride_kh
-    V += kv_head * stride_vh
+    k_src = _rows_of(K + kv_head * stride_kh, T, stride_kt, BLOCK_N, HEAD_DIM, USE_TMA)
+    v_src = _rows_of(V + kv_head * stride_vh, T, stride_vt, BLOCK_N, HEAD_DIM, USE_TMA)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     start = tl.load(PTR + tile * 3)
     full_end = tl.load(PTR + tile * 3 + 1)
     end = tl.load(PTR + tile * 3 + 2)
     for it in range(start, full_end):
         j = tl.load(IDX + it)
-        dq = _bwd_dq_tile(dq, q, do, lse, delta, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
-                          qk_scale, BLOCK_N, False, DOT_PRECISION)
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, k_src, v_src, SE, j, offs_m, T, stride_kt, stride_vt,
+                          qk_scale, BLOCK_N, HEAD_DIM, False, DOT_PRECISION, USE_TMA)
     for it in range(full_end, end):
         j = tl.load(IDX + it)
-        dq = _bwd_dq_tile(dq, q, do, lse, delta, K, V, SE, j, offs_m, offs_d, T, stride_kt, stride_vt,
-                          qk_scale, BLOCK_N, True, DOT_PRECISION)
+        dq = _bwd_dq_tile(dq, q, do, lse, delta, k_src, v_src, SE, j, offs_m, T, stride_kt, stride_vt,
+                          qk_scale, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, USE_TMA)
     tl.store(DQ + head * stride_dqh + rows[:, None] * stride_dqt + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=in_range[:, None])
 
 
 # --------------------------------------------------------------------------------------- launchers
-# Launch settings per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages), chosen with
-# `python -m treeattn_lab bench tree-tune` on an H200 (bench/results/); the interpreter ignores the last two.
+# Launch settings per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]), chosen with
+# `python -m treeattn_lab bench tree-tune` on an H200 (bench/results/); the interpreter ignores warps and
+# stages. The optional 5th field (default False) asks for TMA tile loads (see :func:`tma_usable`).
 CONFIGS = {  # head_dim -> {"fwd" | "dkdv" | "dq": config}
     64: {"fwd": (128, 128, 8, 3), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
     128: {"fwd": (128, 128, 8, 3), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
@@ -356,6 +390,55 @@ def _check(q, k, v):
     check_attention_inputs(q)
 
 
+def parse_config(config, kernel: str) -> tuple[int, int, int, int, bool]:
+    """A launch ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, tma])`` checked, ``tma`` filled in (False)."""
+    if not isinstance(config, (tuple, list)) or len(config) not in (4, 5):
+        raise ValueError(f"{kernel}_config must be (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]), "
+                         f"got {config!r}")
+    block_m, block_n, warps, stages, *rest = config
+    for name, size in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
+        if not isinstance(size, int) or size < 16 or size & (size - 1):
+            raise ValueError(f"{kernel}_config {name} must be a power of two >= 16, got {size!r}")
+    tma = rest[0] if rest else False
+    if not isinstance(tma, bool):
+        raise TypeError(f"{kernel}_config's 5th field (tma) must be a bool, got {tma!r}")
+    return block_m, block_n, warps, stages, tma
+
+
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can read these ``[T, H, D]`` tensors through TMA tensor descriptors.
+
+    Needs an sm_90+ GPU (Hopper's copy engine; Triton's CPU interpreter emulates descriptors, so there it
+    runs too) and what a descriptor over one head's rows requires: 16-byte aligned base address, row
+    stride and head stride. A launch that asks for TMA where this is False runs the pointer loads (same
+    results).
+    """
+    if not hasattr(tl, "make_tensor_descriptor"):  # Triton < 3.4
+        return False
+    device = tensors[0].device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return all(x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+               and (x.stride(1) * x.element_size()) % 16 == 0 for x in tensors)
+
+
+def _tma_scratch(size: int, alignment: int, stream, _empty=torch.empty):
+    # ``torch.empty`` bound at import: tests that fill every ``torch.empty`` with NaN must not reach this
+    # int8 scratch (the kernel writes its descriptors there before reading them)
+    return _empty(size, device="cuda", dtype=torch.int8)
+
+
+def _ensure_scratch_allocator() -> None:
+    """Descriptors made on the device (``tl.make_tensor_descriptor``) live in a global scratch buffer that
+    Triton requests at launch from the allocator of ``triton.set_allocator``: install a torch one unless the
+    caller installed their own. The setting is per thread (a ContextVar) and autograd runs the backward
+    on a thread of its own, so this runs before every TMA launch."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_scratch)
+
+
 def _forward(q, k, v, subtree_end, sched, launch, scale):
     T, hq, d = q.shape
     o = torch.empty_like(q)
@@ -363,14 +446,20 @@ def _forward(q, k, v, subtree_end, sched, launch, scale):
     _tree_attn_fwd[(triton.cdiv(T, sched["block_m"]), hq)](
         q, k, v, o, lse, subtree_end, sched["fwd_ptr"], sched["fwd_idx"],
         T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        o.stride(0), o.stride(1), scale * LOG2E, **_launch(sched, launch, q.dtype, hq // k.shape[1], d),
+        o.stride(0), o.stride(1), scale * LOG2E,
+        **_launch(sched, launch, q.dtype, hq // k.shape[1], d, (k, v)),
     )
     return o, lse
 
 
-def _launch(sched, launch, dtype, group, head_dim):
+def _launch(sched, launch, dtype, group, head_dim, tiled):
+    """Constexprs and launch options of one kernel; ``tiled``: the tensors its inner loop streams."""
+    warps, stages, tma = launch
+    use_tma = tma and tma_usable(*tiled)
+    if use_tma and tiled[0].device.type == "cuda":
+        _ensure_scratch_allocator()
     return dict(GROUP=group, BLOCK_M=sched["block_m"], BLOCK_N=sched["block_n"], HEAD_DIM=head_dim,
-                DOT_PRECISION=_dot_precision(dtype), num_warps=launch[0], num_stages=launch[1])
+                DOT_PRECISION=_dot_precision(dtype), USE_TMA=use_tma, num_warps=warps, num_stages=stages)
 
 
 def should_split_groups(T: int, hq: int, hkv: int, block_n: int, device: torch.device) -> bool:
@@ -400,7 +489,8 @@ def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sche
         q, kk, vv, do, lse, delta, dk, dv, subtree_end, dkdv_sched["bwd_ptr"], dkdv_sched["bwd_idx"],
         T, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale * LOG2E, scale, **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // kk.shape[1], d),
+        scale * LOG2E, scale,
+        **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // kk.shape[1], d, (q, do)),
     )
     if kk is not k:
         dk, dv = (x.view(T, hkv, hq // hkv, d).sum(2).to(k.dtype) for x in (dk, dv))
@@ -408,7 +498,7 @@ def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sche
         q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
         T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        scale * LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d),
+        scale * LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d, (k, v)),
     )
     return dq, dk, dv
 
@@ -445,10 +535,11 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     """Tree attention with the Triton kernels (inputs already validated by ``treeattn_lab.ops``).
 
     ``fwd_config`` / ``dkdv_config`` / ``dq_config`` override a kernel's launch as
-    ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tile sizes are powers of two >= 16; small tiles make
-    small tests exercise many tiles). With ``return_lse`` also returns the natural-log log-sum-exp
-    ``[T, Hq]``. ``split_groups`` (None: :func:`should_split_groups` decides) runs the dK/dV kernel per
-    query head instead of per kv head under grouped-query attention.
+    ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, tma])`` (tile sizes are powers of two >= 16; small tiles
+    make small tests exercise many tiles; ``tma=True`` loads row tiles through TMA tensor descriptors where
+    :func:`tma_usable` allows, else the pointer loads run). With ``return_lse`` also returns the
+    natural-log log-sum-exp ``[T, Hq]``. ``split_groups`` (None: :func:`should_split_groups` decides) runs
+    the dK/dV kernel per query head instead of per kv head under grouped-query attention.
     """
     _check(q, k, v)
     d = q.shape[-1]
@@ -456,8 +547,8 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     defaults = CONFIGS.get(d, _SMALL_HEAD_CONFIG)
 
     def plan(config, kernel):
-        bm, bn, warps, stages = config or defaults[kernel]
-        return schedule_for(pack, bm, bn), (warps, stages)
+        bm, bn, warps, stages, tma = parse_config(config or defaults[kernel], kernel)
+        return schedule_for(pack, bm, bn), (warps, stages, tma)
 
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     o, lse2 = TreeAttentionFunction.apply(

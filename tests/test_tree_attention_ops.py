@@ -90,7 +90,7 @@ def test_auto_on_cpu_is_reference(seqs, heads, seed):
 def test_available_backends():
     names = available_backends("cpu")
     assert names[0] == "reference" and "flex" in names
-    assert set(names) <= {"reference", "flex", "triton", "flat"}
+    assert set(names) <= {"reference", "flex", "triton", "flat", "varlen"}
 
 
 def test_unknown_backend():

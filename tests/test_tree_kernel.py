@@ -3,16 +3,18 @@
 On CPU the kernel runs under TRITON_INTERPRET=1 (set in conftest): fp32 and fp16 only, since the
 interpreter computes bf16 dots wrongly. Small tiles (16 x 16, 32 x 16, ...) make small packs span many
 tiles, so full, partial and skipped tiles all occur. Every buffer the kernels allocate (outputs, lse,
-gradients) starts filled with NaN, so any element a kernel forgets to write fails the check.
+gradients) starts filled with NaN, so any element a kernel forgets to write fails the check. The TMA
+tests run the tensor-descriptor loads (emulated by the interpreter on CPU) against the pointer loads.
 """
 
 
 import hypothesis.strategies as st
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from treeattn_lab.kernels import tree_attention as kernel_module
-from treeattn_lab.kernels.tree_attention import tile_schedule, triton_tree_attention
+from treeattn_lab.kernels.tree_attention import tile_schedule, tma_usable, triton_tree_attention
 
 from tests.conftest import poisoned_allocations, relative_error, rollout_forests
 from treeattn_lab import RolloutTrie, reference, tree_attention
@@ -147,3 +149,104 @@ def test_unsupported_head_dim_and_dtype_are_refused():
     with pytest.raises(TypeError, match="float64"):
         q64 = torch.randn(3, 1, 16, dtype=torch.float64)
         tree_attention(q64, q64, q64, pack, backend="triton")
+
+
+# ------------------------------------------------------------------------------- TMA tile loads
+TMA_TILES = {"fwd_config": (32, 16, 4, 1, True), "dkdv_config": (16, 32, 4, 1, True),
+             "dq_config": (32, 16, 4, 1, True)}
+
+
+def _awkward_pack():
+    # T = 71 (not a tile multiple), a prefix rollout, single-token nodes: ragged last tiles everywhere
+    seqs = [list(range(30)), list(range(12)), list(range(12)) + [99], list(range(12)) + [99, 5],
+            [7], [7, 8] + list(range(40, 55)), list(range(30))]
+    return RolloutTrie.from_sequences(seqs).pack()
+
+
+def _run(pack, inputs, do, tiles, split_groups, seen=None):
+    """Output and gradients of one kernel call; ``seen`` collects the USE_TMA flag of every launch."""
+    from treeattn_lab.kernels.tree_attention import _launch
+
+    def spy(*args):
+        meta = _launch(*args)
+        seen.append(meta["USE_TMA"])
+        return meta
+
+    leaves = [x.detach().to(DEVICE).requires_grad_() for x in inputs]  # same storage, same alignment
+    with poisoned_allocations(kernel_module, **({"_launch": spy} if seen is not None else {})):
+        out = triton_tree_attention(*leaves, pack.to(DEVICE), split_groups=split_groups, **tiles)
+        out.backward(do.to(DEVICE))
+    return [out.detach().cpu()] + [x.grad.cpu() for x in leaves]
+
+
+@pytest.mark.parametrize(("dtype", "split_groups"), [(torch.float32, False), (torch.float16, True)])
+def test_tma_loads_match_pointer_loads_and_reference(dtype, split_groups):
+    # every kernel through tensor descriptors (emulated by the interpreter on CPU, Hopper's TMA on an
+    # sm_90 GPU): the same numbers as the pointer loads, and the float64 reference
+    pack = _awkward_pack()
+    gen = torch.Generator().manual_seed(11)
+    T = pack.num_tokens
+    inputs = [torch.randn(T, h, 16, generator=gen).to(dtype) for h in (4, 2, 2)]
+    do = torch.randn(T, 4, 16, generator=gen).to(dtype)
+    assert tma_usable(*inputs)  # aligned rows (and on CPU the interpreter emulates descriptors)
+    seen = []
+    tma = _run(pack, inputs, do, TMA_TILES, split_groups, seen)
+    assert seen == [tma_usable(*(x.to(DEVICE) for x in inputs))] * 3  # on a GPU before sm_90: pointers
+    pointer_tiles = {name: cfg[:4] for name, cfg in TMA_TILES.items()}
+    pointer = _run(pack, inputs, do, pointer_tiles, split_groups)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3  # equal on CPU; a GPU may round an fp16 ulp apart
+    for got, want, name in zip(tma, pointer, ["out", "dq", "dk", "dv"], strict=True):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name}: TMA != pointer loads")
+    _check(pack, hq=4, hkv=2, d=16, dtype=dtype, seed=12, tiles=TMA_TILES, split_groups=split_groups)
+
+
+def test_tma_falls_back_to_pointer_loads_on_unaligned_rows():
+    # rows 4 bytes off a 16-byte boundary cannot be described to the copy engine: the pointer loads run
+    pack = _awkward_pack()
+    T = pack.num_tokens
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(T * 2 * 16 + 1, generator=gen).to(DEVICE)[1:].view(T, 2, 16) for _ in range(3))
+    assert not tma_usable(q, k, v)
+    seen = []
+    out = _run(pack, (q, k, v), torch.zeros(T, 2, 16), {"fwd_config": (16, 16, 4, 1, True)}, False, seen)[0]
+    assert seen == [False, False, False]
+    want = reference.tree_attention(*(x.cpu().double() for x in (q, k, v)), pack.subtree_end)
+    assert relative_error(out, want) < 2e-5
+
+
+@pytest.mark.parametrize(("config", "error", "match"), [
+    ((16, 16, 4, 1, "yes"), TypeError, "tma"),
+    ((16, 16, 4), ValueError, "BLOCK_M, BLOCK_N, num_warps, num_stages"),
+    ((24, 16, 4, 1), ValueError, "BLOCK_M must be a power of two"),
+    ((16, 8, 4, 1, False), ValueError, "BLOCK_N must be a power of two"),
+])
+def test_launch_configs_are_validated(config, error, match):
+    pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()
+    q = torch.randn(3, 1, 16)
+    with pytest.raises(error, match=match):
+        triton_tree_attention(q, q, q, pack, dq_config=config)
+
+
+def test_scratch_allocator_is_installed_only_where_none_is():
+    # on-device descriptors need triton.set_allocator; the setting is per thread, so try fresh threads
+    import threading
+
+    from triton.runtime import _allocation
+
+    def theirs(size, alignment, stream):
+        return None
+
+    found = []
+
+    def fresh_thread(preset):
+        if preset is not None:
+            triton.set_allocator(preset)
+        kernel_module._ensure_scratch_allocator()
+        found.append(_allocation._allocator.get())
+
+    for preset in (None, theirs):
+        thread = threading.Thread(target=fresh_thread, args=(preset,))
+        thread.start()
+        thread.join()
+    assert found == [kernel_module._tma_scratch, theirs]

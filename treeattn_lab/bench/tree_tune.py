@@ -1,8 +1,12 @@
-"""``python -m treeattn_lab bench tree-tune``: sweep the tree kernel's tile shapes on this GPU.
+"""``python -m treeattn_lab bench tree-tune``: sweep the tree kernel's launch configs on this GPU.
 
 Times the forward for every forward config, then forward+backward for every dK/dV config (with the
-best forward) and every dQ config (with the best of both), over the research cases. The winners belong
-in ``CONFIGS`` of ``kernels/tree_attention.py``.
+best forward) and every dQ config (with the best of both), over the research cases. A config is
+``(BLOCK_M, BLOCK_N, num_warps, num_stages, tma)``: each tile shape runs with pointer loads and with TMA
+tensor-descriptor loads (``tma=True``, sm_90+; ``--loads`` picks one), so one run compares the two load
+paths; a summary gives the best of each per case and pass. Every row also records ``err``, the relative
+error of its output (forward) or of its gradients (forward+backward) against the default launch's, so a
+fast but wrong variant shows. The winners belong in ``CONFIGS`` of ``kernels/tree_attention.py``.
 """
 
 from __future__ import annotations
@@ -17,69 +21,138 @@ from ..trie import RolloutTrie
 from .harness import environment, print_table, time_ms, write_results
 from .tree import research_cases
 
-FWD_CONFIGS = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 4),
-               (128, 32, 4, 3), (128, 32, 4, 4), (256, 64, 8, 3)]
-DKDV_CONFIGS = [(128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3),
-                (64, 64, 4, 2), (32, 128, 8, 3)]
-DQ_CONFIGS = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-              (64, 64, 4, 2), (128, 32, 8, 3)]
+# Tile shapes per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). Left out after the first H200 sweep
+# (bench/results/tree-tune__*.json): shapes over the 227 KB shared-memory limit at head dim 128
+# (128x128 with 4 stages forward, 3 stages backward) and backward shapes 1.3-1.7x slower than the best.
+FWD_SHAPES = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 32, 4, 3),
+              (128, 32, 4, 4), (256, 64, 8, 3)]
+DKDV_SHAPES = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 3)]
+DQ_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3)]
+LOADS = {"both": (False, True), "pointer": (False,), "tma": (True,)}
 
 
-def _sweep(name, configs, step, grad_to_none, flops) -> list[dict]:
+def candidates(shapes, loads: str = "both") -> list[tuple]:
+    """Every shape with each load path of ``loads``, as 5-field launch configs, pointer loads first (a
+    TMA launch that faulted would leave the CUDA context unusable for what follows)."""
+    return [(*shape, tma) for tma in LOADS[loads] for shape in shapes]
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest ``||got - want|| / ||want||`` over matching tensors, in fp32."""
+    return max(float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30))
+               for g, w in zip(got, want, strict=True))
+
+
+def _sweep(name, configs, step, result, want, grad_to_none, flops, tma_ok, device) -> list[dict]:
     rows = []
     for cfg in configs:
+        if cfg[4] and not tma_ok:
+            rows.append({"case": name, "config": cfg, "error": "TMA not usable here (sm_90+, aligned rows)"})
+            continue
         try:
-            ms = time_ms(lambda c=cfg: step(c), grad_to_none=grad_to_none, device="cuda")
+            ms = time_ms(lambda c=cfg: step(c), grad_to_none=grad_to_none, device=device)
+            err = relative_error(result(cfg), want)
         except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
             rows.append({"case": name, "config": cfg, "error": str(e)[:80]})
             continue
-        rows.append({"case": name, "config": cfg, "ms": ms, "tflops": flops / ms / 1e9})
+        rows.append({"case": name, "config": cfg, "ms": ms, "tflops": flops / ms / 1e9, "err": err})
     return rows
 
 
-def tune_case(case, heads: int, dim: int) -> list[dict]:
-    from ..kernels.tree_attention import triton_tree_attention
+def _fastest(rows: list[dict]) -> tuple:
+    return min((r for r in rows if "ms" in r), key=lambda r: r["ms"])["config"]
 
-    pack = RolloutTrie.from_sequences(case.sequences).pack().to("cuda")
+
+def tune_case(case, heads: int, dim: int, loads: str = "both", device: str = "cuda",
+              dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Rows of one case; ``device`` / ``dtype`` other than the GPU's bf16 only for a CPU smoke run."""
+    from ..kernels.tree_attention import tma_usable, triton_tree_attention
+
+    pack = RolloutTrie.from_sequences(case.sequences).pack().to(device)
     flops = pack.attended_pairs() * 4 * heads * dim
-    q, k, v = (torch.randn(pack.num_tokens, heads, dim, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(pack.num_tokens, heads, dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
     do = torch.randn_like(q)
-    fwd = _sweep(case.name, FWD_CONFIGS, lambda c: triton_tree_attention(q, k, v, pack, fwd_config=c),
-                 None, flops)
-    best = min((r for r in fwd if "ms" in r), key=lambda r: r["ms"])["config"]
+    tma_ok = tma_usable(q, k, v, do)
+
+    def forward(c):
+        return triton_tree_attention(q, k, v, pack, fwd_config=c)
+
+    def grads(step, c):  # taken out of q, k, v: later backward calls would accumulate into them
+        for x in (q, k, v):
+            x.grad = None
+        step(c)
+        out = [x.grad for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        return out
+
+    want_out = [triton_tree_attention(q, k, v, pack).detach()]  # the default launch
+    want_grads = grads(lambda c: triton_tree_attention(q, k, v, pack).backward(do), None)
+    fwd = _sweep(case.name, candidates(FWD_SHAPES, loads), forward, lambda c: [forward(c).detach()], want_out,
+                 None, flops, tma_ok, device)
+    best = _fastest(fwd)
 
     def with_dkdv(c):
         triton_tree_attention(q, k, v, pack, fwd_config=best, dkdv_config=c).backward(do)
 
-    dkdv = _sweep(case.name, DKDV_CONFIGS, with_dkdv, [q, k, v], 3.5 * flops)
-    best_dkdv = min((r for r in dkdv if "ms" in r), key=lambda r: r["ms"])["config"]
+    dkdv = _sweep(case.name, candidates(DKDV_SHAPES, loads), with_dkdv, lambda c: grads(with_dkdv, c),
+                  want_grads, [q, k, v], 3.5 * flops, tma_ok, device)
+    best_dkdv = _fastest(dkdv)
 
     def with_dq(c):
         triton_tree_attention(q, k, v, pack, fwd_config=best, dkdv_config=best_dkdv, dq_config=c).backward(do)
 
-    dq = _sweep(case.name, DQ_CONFIGS, with_dq, [q, k, v], 3.5 * flops)
+    dq = _sweep(case.name, candidates(DQ_SHAPES, loads), with_dq, lambda c: grads(with_dq, c), want_grads,
+                [q, k, v], 3.5 * flops, tma_ok, device)
     return ([{**r, "pass": "fwd"} for r in fwd] + [{**r, "pass": "fwd+bwd, dkdv"} for r in dkdv]
             + [{**r, "pass": "fwd+bwd, dq"} for r in dq])
+
+
+def load_path_summary(rows: list[dict]) -> list[dict]:
+    """Per case and pass: the fastest pointer-load and TMA configs and TMA's speedup over pointers."""
+    out = []
+    for key in dict.fromkeys((r["case"], r["pass"]) for r in rows):
+        timed = [r for r in rows if (r["case"], r["pass"]) == key and "ms" in r]
+        best = {tma: min((r for r in timed if r["config"][4] == tma), key=lambda r: r["ms"], default=None)
+                for tma in (False, True)}
+        if best[False] is None or best[True] is None:
+            continue
+        out.append({"case": key[0], "pass": key[1], "pointer": str(best[False]["config"][:4]),
+                    "pointer_ms": best[False]["ms"], "tma": str(best[True]["config"][:4]),
+                    "tma_ms": best[True]["ms"], "tma_speedup": best[False]["ms"] / best[True]["ms"]})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab bench tree-tune", description=__doc__)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--loads", choices=sorted(LOADS), default="both",
+                        help="tile loads to sweep: pointer, tma (sm_90+) or both (default)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench tree-tune needs a CUDA GPU (the interpreter cannot time kernels)")
-    rows = []
-    for case in tqdm(research_cases(), desc="tune", unit="case"):
-        rows += tune_case(case, args.heads, args.dim)
-    for r in rows:
-        r["config"] = str(r["config"])
     env = environment()
-    columns = [("case", "case"), ("pass", "pass"), ("config", "(BM, BN, warps, stages)"), ("ms", "ms"),
-               ("tflops", "TFLOP/s"), ("error", "error")]
-    print_table(f"tree kernel configs, {env['device']}", columns, rows)
-    path = write_results("tree-tune", rows, env, directory=Path(args.out) if args.out else None)
+    rows = []
+
+    def save():  # after every case, so a run cut short keeps what it measured
+        listed = [{**r, "config": str(r["config"])} for r in rows]
+        path = write_results("tree-tune", listed, env, directory=Path(args.out) if args.out else None,
+                             extra={"load_paths": load_path_summary(rows)})
+        return listed, path
+
+    for case in tqdm(research_cases(), desc="tune", unit="case"):
+        rows += tune_case(case, args.heads, args.dim, args.loads)
+        listed, path = save()
+    columns = [("case", "case"), ("pass", "pass"), ("config", "(BM, BN, warps, stages, tma)"), ("ms", "ms"),
+               ("tflops", "TFLOP/s"), ("err", "rel err"), ("error", "error")]
+    print_table(f"tree kernel configs, {env['device']}", columns, listed)
+    summary = load_path_summary(rows)
+    if summary:
+        print_table("pointer vs TMA loads, best of each", [
+            ("case", "case"), ("pass", "pass"), ("pointer", "pointer config"), ("pointer_ms", "ms"),
+            ("tma", "TMA config"), ("tma_ms", "ms"), ("tma_speedup", "TMA speedup")], summary)
     print(f"wrote {path}")
     return 0
