@@ -14,35 +14,63 @@ Each step is an affine map ``h -> a h + b`` with ``a = g_t`` and ``b = (1 - g_t)
 compose associatively: applying ``(a1, b1)`` then ``(a2, b2)`` is ``(a1 a2, b1 a2 + b2)``. That is what
 makes the recurrence a *scan*: any block of steps can be collapsed into one ``(A, B)`` pair.
 
-Chunks, in parallel, chained by a look-back (the forward kernel)
-----------------------------------------------------------------
+Chunks chained by a look-back (the forward kernel)
+--------------------------------------------------
 Memory layout ``[B, N, C]`` with channels contiguous. A *chain* is ``BLOCK_C`` channels of one batch row;
-time is cut into chunks of ``BLOCK_T`` steps, and every (chunk, chain) is its own program, so a long
-sequence gives many thousands of programs even when there are few channels. A program:
+time is cut into chunks of ``BLOCK_T`` steps. Programs serve one chain each (``program_id % chains``) and
+take its chunks by *ticket*: ``pos = atomic_add(counter[chain], 1)`` is the next chunk index along the
+chain. Tickets are handed out in the order programs ask, and a program holds one until it has finished
+that chunk, so every chunk before ``pos`` is finished or being worked on by a running program: nobody
+waits on a chunk that no one runs. By default there is one program per chunk (one ticket each); with
+``programs_per_sm`` set, a fixed number of programs (about that many per multiprocessor) each walks
+ticket after ticket until its chain runs out (a *persistent* launch). For one chunk a program:
 
-1. takes a ticket: ``pos = atomic_add(counter[chain], 1)`` is its chunk index along the chain. Tickets
-   are handed out in the order programs *start*, so every chunk before ``pos`` already runs somewhere;
-2. loads its ``[BLOCK_T, BLOCK_C]`` tile of ``x`` and ``g`` (channels contiguous: coalesced) and scans it
-   along time with ``tl.associative_scan`` on the pairs ``(a, b)``: row ``t`` becomes the map
-   ``(A_t, B_t)`` from the state before the chunk to ``h_t``;
-3. publishes the chunk's whole map (its last row);
-4. looks back for the state entering the chunk: walking to earlier chunks, it composes their published
-   maps until it meets one whose *inclusive* state (the true ``h`` at its end) is published, or the start
-   of the sequence (state 0). Chunks publish maps right after loading, so the walk rarely waits for long
-   (the "decoupled look-back" of single-pass GPU scans);
-5. publishes its own inclusive state, then writes ``h_t = A_t h_in + B_t``.
-
-Every byte of x, g and h crosses memory once (plus a few small per-chunk vectors), the state is fp32, and
-there is no second pass over the data.
+1. scans its ``[BLOCK_T, BLOCK_C]`` rows into the chunk's map ``(A, B)`` from the state before the chunk
+   to the state at its end (two ways, below);
+2. finds the state entering the chunk. Fast path: if the previous chunk's *inclusive* state (the true
+   ``h`` at its end) is already published, take it. Otherwise publish the chunk's map and *look back*:
+   walking to earlier chunks, compose their published maps until one with a published inclusive state,
+   or the start of the sequence (state 0). Chunks publish maps as soon as their rows are scanned, so the
+   walk rarely waits for long (the "decoupled look-back" of single-pass GPU scans; the fast path saves a
+   map store and a release fence whenever the chain's states keep up);
+3. publishes its own inclusive state ``A h_in + B``, then writes ``h_t`` for its rows.
 
 Publishing is a flag per (chunk, chain): 0 nothing yet, 1 map published, 2 inclusive state published.
 A writer stores the vector(s), synchronizes its threads, then one thread sets the flag with a *release*
 atomic; a reader reads the flag with an *acquire* atomic (one scalar, the same for every thread), and
-only then loads the vectors it announces, bypassing the L1 cache. The decision to stop or step back is
-thus uniform across the program's threads (an earlier version used the data as its own flag: threads
-holding copies of the same element could disagree, and wide tiles returned NaN on the GPU).
-Padding rows beyond ``N`` load ``g = 1, x = 0``: the identity map. (Under the interpreter programs run
-one after another in ticket order and never wait.)
+only then loads the vectors it announces, bypassing the L1 cache. Every decision to take the fast path,
+stop or step back is thus uniform across the program's threads (an earlier version used the data as its
+own flag: threads holding copies of the same element could disagree, and wide tiles returned NaN on the
+GPU). Rows beyond the chunk or the sequence load ``g = 1, x = 0``: the identity map. (Under the
+interpreter programs run one after another in ticket order and never wait.)
+
+Two ways to scan a chunk
+------------------------
+``"tile"`` loads the whole ``[BLOCK_T, BLOCK_C]`` tile of ``x`` and ``g`` (channels contiguous:
+coalesced) and scans it along time with ``tl.associative_scan``: row ``t`` becomes the map from the
+chunk's start to ``h_t``, and ``h_t = A_t h_in + B_t`` needs no second read. The tile lives in registers,
+so chunks stay short, and the scan trades values between threads.
+
+``"loop"`` walks the rows in two passes, each thread keeping the state of its ``BLOCK_C / (32 x warps)``
+channels in registers: pass 1 folds the rows into ``(A, B)``; after step 2, pass 2 reads the rows again
+and writes ``h``. Each pass is a runtime loop over groups of ``UNROLL`` rows (``unroll``, capped at
+``BLOCK_T``; the last group of a chunk may overrun it: rows past the chunk's end are identities and are
+not written); a group issues all of its loads before it uses any (the loads are independent of the
+state, so their memory latencies overlap) and then folds or writes its rows one by one. The compiled
+code holds one group's worth of rows per pass whatever ``BLOCK_T`` is, so chunks of hundreds of rows
+compile in about a second (an earlier version unrolled every row of the chunk, and more than 32 rows
+took minutes). Pass 1 asks the L2 cache to keep the rows (``evict_last``) and pass 2 lets them go
+(``evict_first``, and the outputs are streamed the same way): pass 2's reads are cheap only while the
+rows that all running programs have read but not yet re-read fit in L2, which is what a persistent
+launch with few programs bounds (an unbounded launch holds about ``resident programs x chunk bytes``).
+
+What limits the speed (estimates, not measurements). Per chunk there is a fixed cost: a ticket, one
+acquire read (fast path) or a map publish and a look-back, and one state publish (a release fence each).
+And along a chain states resolve in order: a look-back round (flag reads, then map loads: two trips to
+L2) settles at most ``WINDOW`` chunks, so a chain's ``N / BLOCK_T`` chunks take about
+``N / (BLOCK_T x WINDOW)`` rounds one after another: 512 rounds for 16-row chunks over 128K steps, the
+order of the whole runtime measured below. Long chunks shorten that chain; a wide window shortens it too
+but its ``[WINDOW, BLOCK_C]`` map tiles are most of the kernel's registers, hence a launch parameter.
 
 Backward
 --------
@@ -54,18 +82,18 @@ later step) runs backward in time with the *next* step's gate::
     dg_t  = lam_t * (h_{t-1} - x_t).
 
 ``lam`` is the same kind of scan, run from the end: ticket ``pos`` is the ``pos``-th chunk *from the end*,
-its rows are loaded latest first, so the forward combine and the same look-back apply unchanged. It
+its rows are walked latest first, so the forward combine and the same look-back apply unchanged. It
 reads the saved output ``h`` shifted by one step for ``h_{t-1}``.
 
 Precision: the state and all arithmetic are fp32 whatever the input dtype; outputs and gradients are
 stored in the input dtype. Under ``TRITON_INTERPRET=1`` (CPU) the kernels run through numpy.
 
-Status on an H200 (``bench/results/scan__*.json``, ``[1, 128K, 2048]`` bf16): every launch candidate
-matches the fp32 loop (1.7e-3 forward over 128K steps, 1.9e-3 backward over 16K); the best, the row loop
-over 16 rows x 256 channels, moves 1.21 TB/s forward and 1.11 TB/s backward, 29% and 26% of a 4.2 TB/s
-copy. That is far from a bandwidth-bound scan: each chunk's ticket, two release fences and look-back
-round trips cost more than its 16 rows of data; a persistent kernel walking many chunks per program
-would amortize them.
+Status on an H200 (``bench/results/scan__*.json``, ``[1, 128K, 2048]`` bf16), measured before the grouped
+row loop, the fast path and persistent launches existed: every launch candidate matched the fp32 loop
+(1.7e-3 forward over 128K steps, 1.9e-3 backward over 16K); the best, the fully unrolled row loop over
+16 rows x 256 channels, moved 1.21 TB/s forward and 1.11 TB/s backward, 29% and 26% of a 4.2 TB/s copy.
+Long chunks, the grouped row loop, the fast path, the window as a launch parameter and persistent
+launches are not yet measured on a GPU; ``bench dilated --scan-only --tune-scan`` sweeps them.
 """
 
 from __future__ import annotations
@@ -86,7 +114,8 @@ STATE_READY = tl.constexpr(2)
 # Tests raise _INCLUSIVE_EVERY so that most chunks publish only their map: under the interpreter the
 # look-back then has to compose maps, as it does on a GPU whenever a predecessor is still running.
 _INCLUSIVE_EVERY = 1
-# Predecessor chunks whose flags one look-back step reads at once (CUB reads a warp's worth).
+# Predecessor chunks whose flags one look-back step reads at once (CUB reads a warp's worth): the default
+# of ScanConfig.window.
 LOOK_BACK_WINDOW = 16
 
 
@@ -111,13 +140,30 @@ def _publish(FLAGS, slot, value):
 
 
 @triton.jit
+def _state_published(FLAGS, slot):
+    """Whether ``slot``'s inclusive state is published: one acquire read of its flag (a scalar, so every
+    thread of the program gets the same answer), then a barrier so that no thread loads the state first."""
+    flag = tl.atomic_add(FLAGS + slot, 0, sem="acquire")  # +0: a read
+    tl.debug_barrier()
+    return flag == STATE_READY
+
+
+@triton.jit
+def _in_row(offs_c, C, row_ok):
+    """The mask ``offs_c < C`` where the scalar ``row_ok`` holds, else all false: the existing channels of
+    a row that may not exist (one comparison, no scalar-and-vector ``&``, which the interpreter mistypes)."""
+    return offs_c < tl.where(row_ok, C, 0)
+
+
+@triton.jit
 def _look_back(AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, offs, WINDOW: tl.constexpr):
     """The state entering chunk ``pos`` of ``chain``: compose earlier chunks' maps back to a known state.
 
     Reads the flags of ``WINDOW`` predecessors at once (newest first, one acquire per flag). With ``z``
     the nearest not-yet-published chunk and ``s`` the nearest with its inclusive state, it composes the
-    maps of the chunks before ``min(z, s)`` in one scan, plus the state at ``s`` if ``s < z`` (done);
-    otherwise it steps back past the composed chunks and reads the next window (or waits at ``z``).
+    maps of the chunks before ``min(z, s)`` in one scan, then applies them to the state at ``s`` if
+    ``s < z`` (done); otherwise it steps back past the composed chunks and reads the next window (or waits
+    at ``z``). The ``[WINDOW, BLOCK_C]`` map tiles are most of the kernel's registers.
     """
     run_a = tl.full(offs.shape, 1.0, tl.float32)  # map from the looked-at point to this chunk's start
     run_b = tl.zeros(offs.shape, tl.float32)
@@ -131,17 +177,17 @@ def _look_back(AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, offs, WINDOW: tl
         tl.debug_barrier()  # every thread's loads below come after every thread's acquire above
         z = tl.min(tl.where(flags == 0, back, WINDOW), 0)  # nearest chunk not yet published
         s = tl.min(tl.where(flags == STATE_READY, back, WINDOW), 0)  # nearest known state
-        row_map = (dist < z) & (dist < s)
-        row_state = (dist == s) & (dist < z) & (j - dist >= 0)  # s < z: a state before any gap
+        row_map = dist < tl.minimum(z, s)
         ptrs = (((j - dist) * n_chains + chain) * offs.shape[0])[:, None] + offs[None, :]
         a = tl.load(AGG_A + ptrs, mask=row_map[:, None], other=1.0, volatile=True)
         b = tl.load(AGG_B + ptrs, mask=row_map[:, None], other=0.0, volatile=True)
-        state = tl.load(INCL + ptrs, mask=row_state[:, None], other=0.0, volatile=True)
-        a = tl.where(row_state[:, None], 0.0, a)  # a known state is the constant map h -> state
-        b = tl.where(row_state[:, None], state, b)
         a, b = tl.associative_scan((a, b), 0, _compose)
         run_b += run_a * _last_row(b, WINDOW)
         run_a *= _last_row(a, WINDOW)
+        found = (s < z) & (j - s >= 0)  # a published state before any gap (not the zero before the start)
+        state = tl.load(INCL + ((j - s) * n_chains + chain) * offs.shape[0] + offs,
+                        mask=_in_row(offs, offs.shape[0], found), other=0.0, volatile=True)
+        run_b += run_a * state  # 0 unless found: then the loop ends here
         j = tl.where(s < z, -1, j - z)  # done, or step back past the composed maps (0 steps: wait)
     return run_b  # applied to the zero state before the sequence, or to the known state found
 
@@ -149,28 +195,36 @@ def _look_back(AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, offs, WINDOW: tl
 @triton.jit
 def _chunk_state_in(a_last, b_last, AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains,
                     BLOCK_C: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr):
-    """Steps 3-5 for a chunk whose whole map is ``(a_last, b_last)``: publish it, look back, publish the
-    inclusive state; returns the state entering the chunk."""
+    """Steps 2-3 for a chunk whose whole map is ``(a_last, b_last)``: the state entering the chunk (the
+    predecessor's published state, or a look-back after publishing the map), then publish the inclusive
+    state; returns the state entering the chunk.
+
+    The fast path is only for chunks that publish their inclusive state: one that publishes nothing but
+    its map (tests, through ``INCLUSIVE_EVERY``) must publish it, or its successors would wait forever."""
     vec = tl.arange(0, BLOCK_C)
     slot = pos * n_chains + chain
-    if pos > 0:
-        tl.store(AGG_A + slot * BLOCK_C + vec, a_last)  # publish the chunk's map
-        tl.store(AGG_B + slot * BLOCK_C + vec, b_last)
-        _publish(FLAGS, slot, MAP_READY)
-    h_in = _look_back(AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, vec, WINDOW)
-    if pos % INCLUSIVE_EVERY == 0:  # publish the state at the chunk's end
+    prev = tl.maximum(slot - n_chains, 0)  # the same chain's previous chunk (clamped: unused for pos 0)
+    publishes_state = pos % INCLUSIVE_EVERY == 0
+    if (pos > 0) & publishes_state & _state_published(FLAGS, prev):
+        h_in = tl.load(INCL + prev * BLOCK_C + vec, volatile=True)
+    else:
+        if pos > 0:
+            tl.store(AGG_A + slot * BLOCK_C + vec, a_last)  # publish the chunk's map
+            tl.store(AGG_B + slot * BLOCK_C + vec, b_last)
+            _publish(FLAGS, slot, MAP_READY)
+        h_in = _look_back(AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, vec, WINDOW)
+    if publishes_state:  # publish the state at the chunk's end
         tl.store(INCL + slot * BLOCK_C + vec, a_last * h_in + b_last)
         _publish(FLAGS, slot, STATE_READY)
     return h_in
 
 
-@triton.jit(do_not_specialize=["N", "C", "n_chains", "n_cblk"])
-def _scan_fwd(
-    X, G, H, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, stride_b, stride_t,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
-):
-    chain = tl.program_id(0) % n_chains
-    pos = tl.atomic_add(TICKETS + chain, 1)  # this program's chunk along its chain
+# ---------------------------------------------------------------------------------- "tile": one tile scan
+@triton.jit
+def _fwd_tile_chunk(X, G, H, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b,
+                    stride_t, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+                    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr):
+    """Forward chunk ``pos`` of ``chain`` as one ``[BLOCK_T, BLOCK_C]`` tile (``UNROLL`` is unused)."""
     row = (chain // n_cblk).to(tl.int64)
     offs_c = (chain % n_cblk) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_t = pos * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -184,13 +238,11 @@ def _scan_fwd(
     tl.store(H + ptrs, (a * h_in[None, :] + b).to(H.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "C", "n_chains", "n_cblk"])
-def _scan_bwd(
-    X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, stride_b, stride_t,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
-):
-    chain = tl.program_id(0) % n_chains
-    pos = tl.atomic_add(TICKETS + chain, 1)  # this program's chunk, counted from the end
+@triton.jit
+def _bwd_tile_chunk(X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk,
+                    stride_b, stride_t, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+                    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr):
+    """Backward chunk ``pos`` (counted from the end) as one tile, latest row first."""
     row = (chain // n_cblk).to(tl.int64)
     offs_c = (chain % n_cblk) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = offs_c < C
@@ -214,117 +266,206 @@ def _scan_bwd(
     tl.store(DG + ptrs, (lam * (h_prev - x)).to(DG.dtype.element_ty), mask=mask)
 
 
+# ------------------------------------------------------------------------- "loop": rows in unrolled groups
 @triton.jit
-def _in_row(offs_c, C, row_ok):
-    """Channels ``offs_c`` that exist in a row the scalar ``row_ok`` admits (one comparison, no scalar-and-
-    vector ``&``, which the interpreter mistypes)."""
-    return offs_c < tl.where(row_ok, C, 0)
+def _row_at(PTR, base, offs_c, C, stride_t, t, lo, hi):
+    """Pointers to row ``t`` of the chain at ``PTR + base`` (channels ``offs_c``) and the mask of its
+    existing channels: none unless ``lo <= t < hi``."""
+    return PTR + base + tl.cast(t, tl.int64) * stride_t, _in_row(offs_c, C, (t >= lo) & (t < hi))
 
 
-@triton.jit(do_not_specialize=["N", "C", "n_chains", "n_cblk"])
-def _scan_fwd_loop(
-    X, G, H, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, stride_b, stride_t,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
-):
-    """The forward with the chunk walked row by row (unrolled): no tile scan, no cross-thread work.
-    Pass 1 folds the rows into the chunk's map; after the look-back, pass 2 re-reads the rows (cache
-    hits: the same program just read them) and writes ``h``."""
-    chain = tl.program_id(0) % n_chains
-    pos = tl.atomic_add(TICKETS + chain, 1)
+@triton.jit
+def _rows(PTR, base, offs_c, C, stride_t, first, STEP: tl.constexpr, lo, hi, other, UNROLL: tl.constexpr,
+          EVICT: tl.constexpr):
+    """Rows ``first, first + STEP, ..`` (``UNROLL`` of them) of the chain at ``PTR + base``, as a tuple of
+    ``[BLOCK_C]`` vectors in ``PTR``'s dtype; a row outside ``[lo, hi)`` reads ``other``.
+
+    Every load is issued before the caller uses any value, so the group's memory latencies overlap
+    (the values stay in the input dtype until used: half the registers for fp16/bf16)."""
+    rows = ()
+    for i in tl.static_range(UNROLL):
+        ptrs, mask = _row_at(PTR, base, offs_c, C, stride_t, first + STEP * i, lo, hi)
+        rows = rows + (tl.load(ptrs, mask=mask, other=other, eviction_policy=EVICT),)
+    return rows
+
+
+@triton.jit
+def _store_row(PTR, base, offs_c, C, stride_t, t, lo, hi, value):
+    """Store fp32 ``value`` as row ``t`` of the chain at ``PTR + base`` (in ``PTR``'s dtype), if ``lo <= t <
+    hi``; marked first to leave the L2 cache (``evict_first``): nothing reads it soon."""
+    ptrs, mask = _row_at(PTR, base, offs_c, C, stride_t, t, lo, hi)
+    tl.store(ptrs, value.to(PTR.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+
+
+@triton.jit
+def _fwd_loop_chunk(X, G, H, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b,
+                    stride_t, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+                    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr):
+    """Forward chunk ``pos`` of ``chain``, rows ``[start, end)`` walked in groups of ``UNROLL``: pass 1
+    folds them into the chunk's map, pass 2 re-reads them (from L2, if they are still there) and writes
+    ``h``. Rows past ``end`` in the last group are identities and are not written."""
     offs_c = (chain % n_cblk) * BLOCK_C + tl.arange(0, BLOCK_C)
     base = (chain // n_cblk).to(tl.int64) * stride_b + offs_c
+    start = pos * BLOCK_T
+    end = tl.minimum(start + BLOCK_T, N)
     a = tl.full((BLOCK_C,), 1.0, tl.float32)
     b = tl.zeros((BLOCK_C,), tl.float32)
-    for i in tl.static_range(BLOCK_T):
-        t = pos * BLOCK_T + i
-        ptrs = base + t.to(tl.int64) * stride_t
-        g = tl.load(G + ptrs, mask=_in_row(offs_c, C, t < N), other=1.0).to(tl.float32)
-        x = tl.load(X + ptrs, mask=_in_row(offs_c, C, t < N), other=0.0).to(tl.float32)
-        a, b = _compose(a, b, g, (1.0 - g) * x)
+    for first in tl.range(start, end, UNROLL):
+        g = _rows(G, base, offs_c, C, stride_t, first, 1, start, end, 1.0, UNROLL, "evict_last")
+        x = _rows(X, base, offs_c, C, stride_t, first, 1, start, end, 0.0, UNROLL, "evict_last")
+        for i in tl.static_range(UNROLL):
+            g_i = g[i].to(tl.float32)
+            a, b = _compose(a, b, g_i, (1.0 - g_i) * x[i].to(tl.float32))
     h = _chunk_state_in(a, b, AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, BLOCK_C, INCLUSIVE_EVERY,
                         WINDOW)
-    for i in tl.static_range(BLOCK_T):
-        t = pos * BLOCK_T + i
-        ptrs = base + t.to(tl.int64) * stride_t
-        g = tl.load(G + ptrs, mask=_in_row(offs_c, C, t < N), other=1.0).to(tl.float32)
-        x = tl.load(X + ptrs, mask=_in_row(offs_c, C, t < N), other=0.0).to(tl.float32)
-        h = g * h + (1.0 - g) * x
-        tl.store(H + ptrs, h.to(H.dtype.element_ty), mask=_in_row(offs_c, C, t < N))
+    for first in tl.range(start, end, UNROLL):
+        g = _rows(G, base, offs_c, C, stride_t, first, 1, start, end, 1.0, UNROLL, "evict_first")
+        x = _rows(X, base, offs_c, C, stride_t, first, 1, start, end, 0.0, UNROLL, "evict_first")
+        for i in tl.static_range(UNROLL):
+            g_i = g[i].to(tl.float32)
+            h = g_i * h + (1.0 - g_i) * x[i].to(tl.float32)
+            _store_row(H, base, offs_c, C, stride_t, first + i, start, end, h)
 
 
-@triton.jit(do_not_specialize=["N", "C", "n_chains", "n_cblk"])
-def _scan_bwd_loop(
-    X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, stride_b, stride_t,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
-):
-    """The backward walked row by row, latest row first, like :func:`_scan_fwd_loop`."""
-    chain = tl.program_id(0) % n_chains
-    pos = tl.atomic_add(TICKETS + chain, 1)  # counted from the end
+@triton.jit
+def _bwd_loop_chunk(X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk,
+                    stride_b, stride_t, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+                    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr):
+    """Backward chunk ``pos`` (counted from the end): rows ``[lo, hi)`` walked latest first in groups of
+    ``UNROLL``, two passes like :func:`_fwd_loop_chunk`.
+
+    ``g_{t+1}`` is read through ``G`` shifted one row (missing for ``t = N - 1``: read as 1, which
+    multiplies the zero state after the sequence), ``h_{t-1}`` through ``H`` shifted back one row (0 for
+    ``t = 0``). Rows below ``lo`` read ``g_{t+1} = 1, dh = 0``: identities."""
     offs_c = (chain % n_cblk) * BLOCK_C + tl.arange(0, BLOCK_C)
     base = (chain // n_cblk).to(tl.int64) * stride_b + offs_c
+    hi = N - pos * BLOCK_T
+    lo = tl.maximum(hi - BLOCK_T, 0)
+    next_hi = tl.minimum(hi, N - 1)  # rows that have a next gate
     a = tl.full((BLOCK_C,), 1.0, tl.float32)
     b = tl.zeros((BLOCK_C,), tl.float32)
-    for i in tl.static_range(BLOCK_T):
-        t = N - 1 - pos * BLOCK_T - i
-        ptrs = base + t.to(tl.int64) * stride_t
-        dh = tl.load(DH + ptrs, mask=_in_row(offs_c, C, t >= 0), other=0.0).to(tl.float32)
-        g_next = tl.load(G + ptrs + stride_t, mask=_in_row(offs_c, C, (t >= 0) & (t + 1 < N)),
-                         other=0.0).to(tl.float32)
-        a, b = _compose(a, b, tl.where(t >= 0, g_next, 1.0), dh)  # rows before the sequence: identities
+    for k in tl.range(0, hi - lo, UNROLL):
+        first = hi - 1 - k
+        dh = _rows(DH, base, offs_c, C, stride_t, first, -1, lo, hi, 0.0, UNROLL, "evict_last")
+        g_next = _rows(G + stride_t, base, offs_c, C, stride_t, first, -1, lo, next_hi, 1.0, UNROLL,
+                       "evict_last")
+        for i in tl.static_range(UNROLL):
+            a, b = _compose(a, b, g_next[i].to(tl.float32), dh[i].to(tl.float32))
     lam = _chunk_state_in(a, b, AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_chains, BLOCK_C, INCLUSIVE_EVERY,
                           WINDOW)
-    for i in tl.static_range(BLOCK_T):
-        t = N - 1 - pos * BLOCK_T - i
-        ptrs = base + t.to(tl.int64) * stride_t
-        valid = _in_row(offs_c, C, t >= 0)
-        dh = tl.load(DH + ptrs, mask=valid, other=0.0).to(tl.float32)
-        g_next = tl.load(G + ptrs + stride_t, mask=_in_row(offs_c, C, (t >= 0) & (t + 1 < N)),
-                         other=0.0).to(tl.float32)
-        lam = g_next * lam + dh
-        g = tl.load(G + ptrs, mask=valid, other=0.0).to(tl.float32)
-        x = tl.load(X + ptrs, mask=valid, other=0.0).to(tl.float32)
-        h_prev = tl.load(H + ptrs - stride_t, mask=_in_row(offs_c, C, t >= 1), other=0.0).to(tl.float32)
-        tl.store(DX + ptrs, ((1.0 - g) * lam).to(DX.dtype.element_ty), mask=valid)
-        tl.store(DG + ptrs, (lam * (h_prev - x)).to(DG.dtype.element_ty), mask=valid)
+    for k in tl.range(0, hi - lo, UNROLL):
+        first = hi - 1 - k
+        dh = _rows(DH, base, offs_c, C, stride_t, first, -1, lo, hi, 0.0, UNROLL, "evict_first")
+        g_next = _rows(G + stride_t, base, offs_c, C, stride_t, first, -1, lo, next_hi, 1.0, UNROLL,
+                       "evict_first")
+        g = _rows(G, base, offs_c, C, stride_t, first, -1, lo, hi, 0.0, UNROLL, "evict_first")
+        x = _rows(X, base, offs_c, C, stride_t, first, -1, lo, hi, 0.0, UNROLL, "evict_first")
+        h_prev = _rows(H - stride_t, base, offs_c, C, stride_t, first, -1, tl.maximum(lo, 1), hi, 0.0, UNROLL,
+                       "evict_first")
+        for i in tl.static_range(UNROLL):
+            lam = g_next[i].to(tl.float32) * lam + dh[i].to(tl.float32)
+            _store_row(DX, base, offs_c, C, stride_t, first - i, lo, hi, (1.0 - g[i].to(tl.float32)) * lam)
+            _store_row(DG, base, offs_c, C, stride_t, first - i, lo, hi,
+                       lam * (h_prev[i].to(tl.float32) - x[i].to(tl.float32)))
+
+
+# ------------------------------------------------------------------------------ kernels: the ticket walk
+@triton.jit(do_not_specialize=["N", "n_chains", "n_cblk", "n_chunks"])
+def _scan_fwd(
+    X, G, H, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, n_chunks, stride_b, stride_t,
+    CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """Serve one chain: take its next ticket and scan that chunk with ``CHUNK`` (``_fwd_tile_chunk`` or
+    ``_fwd_loop_chunk``) until the chain's chunks run out."""
+    chain = tl.program_id(0) % n_chains
+    pos = tl.atomic_add(TICKETS + chain, 1)
+    while pos < n_chunks:
+        CHUNK(X, G, H, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b, stride_t,
+              BLOCK_T, BLOCK_C, UNROLL, INCLUSIVE_EVERY, WINDOW)
+        pos = tl.atomic_add(TICKETS + chain, 1)
+
+
+@triton.jit(do_not_specialize=["N", "n_chains", "n_cblk", "n_chunks"])
+def _scan_bwd(
+    X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, n_chunks, stride_b,
+    stride_t, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """The backward ticket walk (tickets count chunks from the end), like :func:`_scan_fwd`."""
+    chain = tl.program_id(0) % n_chains
+    pos = tl.atomic_add(TICKETS + chain, 1)
+    while pos < n_chunks:
+        CHUNK(X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b,
+              stride_t, BLOCK_T, BLOCK_C, UNROLL, INCLUSIVE_EVERY, WINDOW)
+        pos = tl.atomic_add(TICKETS + chain, 1)
 
 
 class ScanConfig(NamedTuple):
-    """One launch: chunk rows, channels per chain, warps, pipeline stages, and how a chunk is scanned:
-    ``"tile"`` (load the ``[block_t, block_c]`` tile, ``tl.associative_scan`` it) or ``"loop"`` (walk its
-    rows one by one, twice)."""
+    """One launch: chunk rows, channels per chain, warps, pipeline stages, how a chunk is scanned
+    (``"tile"``: load the ``[block_t, block_c]`` tile, ``tl.associative_scan`` it; ``"loop"``: walk its
+    rows, twice), rows per unrolled group of the loop (``unroll``; capped at ``block_t``, unused by the tile
+    scan), predecessors one look-back step reads (``window``, a power of two: its ``[window, block_c]`` map
+    tiles are most of the kernel's registers) and programs per multiprocessor for a persistent launch
+    (``programs_per_sm``; 0: one program per chunk)."""
 
     block_t: int
     block_c: int
     num_warps: int = 4
     num_stages: int = 1
     method: str = "loop"
+    unroll: int = 8
+    window: int = LOOK_BACK_WINDOW
+    programs_per_sm: int = 0
 
 
-KERNELS = {"tile": ("_scan_fwd", "_scan_bwd"), "loop": ("_scan_fwd_loop", "_scan_bwd_loop")}
+CHUNKS = {"tile": (_fwd_tile_chunk, _bwd_tile_chunk), "loop": (_fwd_loop_chunk, _bwd_loop_chunk)}
+
+
+def _checked_config(config) -> ScanConfig:
+    """``config`` (a :class:`ScanConfig`, a tuple of its fields, or None for the default), validated."""
+    cfg = ScanConfig(*(config or DEFAULT_CONFIG))
+    if cfg.method not in CHUNKS:
+        raise ValueError(f"scan method must be one of {sorted(CHUNKS)}, got {cfg.method!r}")
+    tile_rows = cfg.method == "tile"  # the loop walks any number of rows; tl.arange needs 2**k
+    sizes = (("block_t", cfg.block_t, tile_rows), ("block_c", cfg.block_c, True),
+             ("unroll", cfg.unroll, False), ("window", cfg.window, True))
+    for name, size, pow2 in sizes:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or (pow2 and size & (size - 1)):
+            kind = "power of two" if pow2 else "positive int"
+            raise ValueError(f"scan {name} must be a {kind}, got {size!r}")
+    per_sm = cfg.programs_per_sm
+    if not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 0:
+        raise ValueError(f"scan programs_per_sm must be a non-negative int (0: one program per chunk), got "
+                         f"{per_sm!r}")
+    return cfg
+
+
+def _num_programs(cfg: ScanConfig, n_chains: int, n_chunks: int, device: torch.device) -> int:
+    """One program per chunk, or for a persistent launch about ``programs_per_sm`` per multiprocessor
+    (one on the CPU), shared equally by the chains, at most one per chunk."""
+    if cfg.programs_per_sm == 0:
+        return n_chunks * n_chains
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    per_chain = max(1, cfg.programs_per_sm * sms // n_chains)
+    return n_chains * min(per_chain, n_chunks)
 
 
 def _launch(direction, tensors, B, N, C, config):
-    """Allocate the per-chunk vectors, flags (0) and tickets (0); run the kernel over every (chunk, chain)."""
-    cfg = ScanConfig(*(config or DEFAULT_CONFIG))
-    if cfg.method not in KERNELS:
-        raise ValueError(f"scan method must be one of {sorted(KERNELS)}, got {cfg.method!r}")
-    tile_rows = cfg.method == "tile"  # the loop kernel unrolls any number of rows; tl.arange needs 2**k
-    for name, size, pow2 in (("block_t", cfg.block_t, tile_rows), ("block_c", cfg.block_c, True)):
-        if not isinstance(size, int) or size < 1 or (pow2 and size & (size - 1)):
-            kind = "power of two" if pow2 else "positive int"
-            raise ValueError(f"scan {name} must be a {kind}, got {size!r}")
-    kernel = globals()[KERNELS[cfg.method][direction]]
+    """Allocate the per-chunk vectors, flags (0) and tickets (0); run the ticket walk over every chain."""
+    cfg = _checked_config(config)
     n_cblk = triton.cdiv(C, cfg.block_c)
     n_chains, n_chunks = B * n_cblk, triton.cdiv(N, cfg.block_t)
     dev = tensors[0].device
     vecs = torch.empty((3, n_chunks * n_chains * cfg.block_c), device=dev, dtype=torch.float32)
     counters = torch.zeros(n_chunks * n_chains + n_chains, device=dev, dtype=torch.int32)
     flags, tickets = counters[: n_chunks * n_chains], counters[n_chunks * n_chains:]
-    kernel[(n_chunks * n_chains,)](*tensors, vecs[0], vecs[1], vecs[2], flags, tickets, N, C, n_chains,
-                                   n_cblk, tensors[0].stride(0), tensors[0].stride(1), BLOCK_T=cfg.block_t,
-                                   BLOCK_C=cfg.block_c, INCLUSIVE_EVERY=_INCLUSIVE_EVERY,
-                                   WINDOW=LOOK_BACK_WINDOW, num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages)
+    kernel = (_scan_fwd, _scan_bwd)[direction]
+    kernel[(_num_programs(cfg, n_chains, n_chunks, dev),)](
+        *tensors, vecs[0], vecs[1], vecs[2], flags, tickets, N, C, n_chains, n_cblk, n_chunks,
+        tensors[0].stride(0), tensors[0].stride(1), CHUNK=CHUNKS[cfg.method][direction], BLOCK_T=cfg.block_t,
+        BLOCK_C=cfg.block_c, UNROLL=min(cfg.unroll, cfg.block_t), INCLUSIVE_EVERY=_INCLUSIVE_EVERY,
+        WINDOW=cfg.window, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def scan_forward(x: torch.Tensor, g: torch.Tensor, config=None) -> torch.Tensor:
@@ -368,7 +509,7 @@ def triton_gated_scan(x: torch.Tensor, g: torch.Tensor, *, dim: int = 0, config=
 
     Inputs are already validated by ``treeattn_lab.ops.gated_scan``. The tensor is viewed as
     ``[before dim, N, after dim]`` (made contiguous if it is not). ``config`` overrides the launch: a
-    :class:`ScanConfig` or a tuple of its fields, powers of two for the blocks.
+    :class:`ScanConfig` or a tuple of its fields (``block_t`` and ``block_c`` at least).
     """
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {x.dtype} is not supported by the triton scan; use fp16, bf16 or fp32")

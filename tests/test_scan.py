@@ -6,12 +6,14 @@ kernel module allocates start as NaN, so an element it forgets to write fails th
 
 from __future__ import annotations
 
+from unittest import mock
+
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
 from treeattn_lab.kernels import scan as kernel_module
-from treeattn_lab.kernels.scan import triton_gated_scan
+from treeattn_lab.kernels.scan import ScanConfig, scan_forward, triton_gated_scan
 
 from tests.conftest import poisoned_allocations, relative_error
 from treeattn_lab.ops.dilated import gated_scan
@@ -19,20 +21,23 @@ from treeattn_lab.reference.scan import gated_scan as reference_scan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+# (block_t, block_c, warps, stages, method[, unroll, window, programs_per_sm]); loop chunks of 24 and 40 rows
+# walked in groups of 8 and 3 (groups that overrun the chunk), 2 programs per chain taking turns
 CONFIGS = [(16, 4, 1, 1, "tile"), (8, 8, 1, 1, "tile"), (32, 16, 4, 1, "tile"), (16, 4, 1, 1, "loop"),
-           (4, 16, 1, 1, "loop"), (32, 8, 2, 1, "loop")]
-
-
-
+           (4, 16, 1, 1, "loop"), (32, 8, 2, 1, "loop"), (24, 4, 1, 1, "loop", 8, 4),
+           (40, 8, 2, 1, "loop", 3, 2, 64)]
 
 
 def _check(shape, dim, dtype, seed, config, inclusive_every=1, window=16):
+    """Kernel vs the float64 loop, forward and backward; ``window`` replaces the config's look-back window,
+    ``inclusive_every`` makes only every k-th chunk publish its inclusive state."""
+    config = ScanConfig(*config)._replace(window=window)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     g = torch.rand(shape, generator=gen, dtype=torch.float64).to(dtype)
     dh = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     xk, gk = (t.clone().to(DEVICE).requires_grad_() for t in (x, g))
-    with poisoned_allocations(kernel_module, _INCLUSIVE_EVERY=inclusive_every, LOOK_BACK_WINDOW=window):
+    with poisoned_allocations(kernel_module, _INCLUSIVE_EVERY=inclusive_every):
         h = triton_gated_scan(xk, gk, dim=dim, config=config)
         h.backward(dh.to(DEVICE))
     xr, gr = (t.double().requires_grad_() for t in (x, g))
@@ -80,6 +85,52 @@ def test_kernel_matches_loop_fp16(shape, dim, method):
     _check(shape, dim, torch.float16, seed=shape[0], config=(16, 4, 1, 1, method))
 
 
+@pytest.mark.parametrize(("dtype", "config", "inclusive_every", "window"), [
+    (torch.float32, (64, 4, 1, 1, "loop", 5), 1000, 2),  # groups of 5 overrun each chunk's end; maps composed
+    (torch.float32, (64, 8, 2, 1, "loop", 8, 16, 8), 1, 16),  # fast path throughout; 2 programs per chain
+    (torch.float16, (128, 4, 1, 1, "loop", 16), 2, 4),
+])
+def test_long_loop_chunks(dtype, config, inclusive_every, window):
+    """Chunks of 64-128 rows walked in unrolled groups: 150 steps are 2-3 chunks, the last one short."""
+    _check((1, 150, 5), 1, dtype, seed=config[0] + inclusive_every, config=config,
+           inclusive_every=inclusive_every, window=window)
+
+
+def _forward_and_buffers(x, g, config, inclusive_every):
+    """``scan_forward`` under NaN-poisoned allocations, and the kernel's per-chunk vectors (maps A, B and
+    inclusive states: the first ``torch.empty`` of the launch) after it ran."""
+    allocated = []
+    with poisoned_allocations(kernel_module, _INCLUSIVE_EVERY=inclusive_every):
+        nan_empty = torch.empty
+
+        def recording_empty(*args, **kwargs):
+            allocated.append(nan_empty(*args, **kwargs))
+            return allocated[-1]
+
+        with mock.patch.object(torch, "empty", recording_empty):
+            h = scan_forward(x.to(DEVICE), g.to(DEVICE), config)
+    return h, allocated[0].cpu()
+
+
+@pytest.mark.parametrize("method", ["tile", "loop"])
+def test_fast_path_skips_the_map(method):
+    """Under the interpreter every chunk finds its predecessor's inclusive state published, so no chunk
+    publishes its map (the map buffers keep their NaN poison); when only every 3rd chunk publishes its
+    state, every later chunk publishes its map for its successors to compose."""
+    gen = torch.Generator().manual_seed(11)
+    x, g = torch.randn(1, 40, 4, generator=gen), torch.rand(1, 40, 4, generator=gen)
+    maps = {}
+    for inclusive_every in (1, 3):
+        h, buffers = _forward_and_buffers(x, g, (8, 4, 1, 1, method), inclusive_every)
+        assert relative_error(h, reference_scan(x.double(), g.double(), dim=1), floor=1e-12) < 1e-5
+        agg_a, _, states = buffers.view(3, 5, 4)  # 5 chunks of one chain
+        maps[inclusive_every] = torch.isfinite(agg_a).all(1)
+        assert torch.isfinite(states[::inclusive_every]).all()
+    assert maps[3][1:].all()
+    if DEVICE == "cpu":  # on a GPU a chunk may finish pass 1 before its predecessor publishes its state
+        assert not maps[1].any()
+
+
 def test_unknown_method_is_refused():
     x = torch.rand(5, 3, device=DEVICE)
     with pytest.raises(ValueError, match="scan method"):
@@ -88,8 +139,13 @@ def test_unknown_method_is_refused():
 
 @pytest.mark.parametrize(("config", "match"), [((4, 3, 1, 1, "loop"), "block_c must be a power of two"),
                                                ((3, 4, 1, 1, "tile"), "block_t must be a power of two"),
-                                               ((0, 4, 1, 1, "loop"), "block_t must be a positive int")])
-def test_bad_block_sizes_are_refused(config, match):
+                                               ((0, 4, 1, 1, "loop"), "block_t must be a positive int"),
+                                               ((8, 4, 1, 1, "loop", 0), "unroll must be a positive int"),
+                                               ((8, 4, 1, 1, "loop", 2.0), "unroll must be a positive int"),
+                                               ((8, 4, 1, 1, "loop", 4, 3), "window must be a power of two"),
+                                               ((8, 4, 1, 1, "tile", 4, 8, -1), "programs_per_sm must be"),
+                                               ((8, 4, 1, 1, "loop", 4, 8, True), "programs_per_sm must be")])
+def test_bad_launch_configs_are_refused(config, match):
     x = torch.rand(5, 3, device=DEVICE)
     with pytest.raises(ValueError, match=match):
         triton_gated_scan(x, x, config=config)

@@ -69,9 +69,27 @@ BWD_CANDIDATES = [
     ((128, 128, 8, 2), (128, 128, 8, 2)),
     ((64, 64, 4, 2), (64, 64, 4, 2)),
 ]
-SCAN_CANDIDATES = [(16, 256, 2, 1, "loop"), (8, 256, 2, 1, "loop"), (16, 512, 4, 1, "loop"),
-                   (8, 512, 4, 1, "loop"), (16, 256, 4, 1, "loop"), (8, 128, 1, 1, "loop"),
-                   (32, 64, 2, 1, "tile")]  # loops over more rows than 32 compile for minutes
+# scan launch candidates for --tune-scan: ScanConfig fields (block_t, block_c, warps, stages, method[, unroll,
+# window, programs_per_sm]). Long chunks: by estimate, the states of a chain's N / block_t chunks resolve
+# about `window` chunks per look-back round, one round after another, so 16-row chunks made that chain (not
+# the data) the limit. Persistent launches (programs_per_sm > 0): the row loop re-reads each chunk, cheap
+# only while running programs x block_t x block_c x 4 bytes fit in L2. On sm_90 (.dev/compile_scan.py) only
+# the first two spill (8 bytes, forward). Only the first was measured on a GPU, and before the grouped row
+# loop, the look-back fast path and persistent launches existed.
+SCAN_CANDIDATES = [
+    (16, 256, 2, 1, "loop"), (16, 256, 2, 1, "loop", 16),  # the measured best (its 16 rows in 2 groups / 1)
+    (32, 64, 2, 1, "tile"),  # the tile scan, under the new ticket walk
+    # one program per chunk (block_c / (32 x warps) = 8 channels a thread: 16-byte loads; 4: 8 bytes; 2: 4)
+    (32, 256, 4, 1, "loop", 8, 16), (64, 256, 4, 1, "loop", 8, 16), (64, 256, 2, 1, "loop", 8, 8),
+    (64, 256, 1, 1, "loop", 8, 8), (64, 128, 1, 1, "loop", 8, 16), (64, 64, 1, 1, "loop", 8, 16),
+    (128, 256, 2, 1, "loop", 8, 8), (128, 256, 1, 1, "loop", 8, 4), (128, 512, 2, 1, "loop", 8, 4),
+    (256, 256, 2, 1, "loop", 8, 4), (256, 128, 1, 1, "loop", 8, 8),
+    # persistent: a fixed number of programs per multiprocessor walk the chunks
+    (32, 256, 4, 1, "loop", 8, 16, 4), (64, 256, 2, 1, "loop", 8, 8, 3), (64, 256, 2, 1, "loop", 8, 8, 6),
+    (64, 256, 1, 1, "loop", 8, 8, 4), (64, 256, 4, 1, "loop", 16, 16, 2), (64, 128, 1, 1, "loop", 16, 8, 4),
+    (64, 128, 1, 1, "loop", 8, 16, 8), (64, 64, 1, 1, "loop", 8, 16, 16), (128, 256, 2, 1, "loop", 8, 8, 4),
+    (128, 512, 2, 1, "loop", 8, 4, 2), (256, 256, 2, 1, "loop", 8, 4, 2),
+]
 
 
 def _inputs(n, heads, dim, dtype, device, gen, layout="nhd"):
@@ -202,7 +220,7 @@ def bench_scan(*, n, channels, dtype, device, tune_configs: bool) -> tuple[list[
     """Rows per launch config: GB/s of the bytes each pass must move, against copy, and the errors of the
     forward and backward over the first 16K steps against the fp32 loop. Then the fastest correct config's
     forward error over the whole sequence."""
-    from ..kernels.scan import DEFAULT_CONFIG, scan_backward, scan_forward
+    from ..kernels.scan import DEFAULT_CONFIG, ScanConfig, scan_backward, scan_forward
     from ..reference.scan import gated_scan
 
     def rel(a, b):
@@ -219,26 +237,38 @@ def bench_scan(*, n, channels, dtype, device, tune_configs: bool) -> tuple[list[
     xs, gs = (t.float().requires_grad_() for t in (x_m, g_m))
     head = gated_scan(xs, gs, dim=1)
     head.backward(dh_m.float())
-    rows = []
     errs = ("rel_err_fwd_16k", "rel_err_dx_16k", "rel_err_dg_16k")
-    for cfg in SCAN_CANDIDATES if tune_configs else [DEFAULT_CONFIG]:
+
+    def measure(cfg) -> dict:
         h = scan_forward(x, g, cfg)
-        fwd_ms = time_ms(lambda cfg=cfg: scan_forward(x, g, cfg), device=device)
-        bwd_ms = time_ms(lambda cfg=cfg, h=h: scan_backward(x, g, h, dh, cfg), device=device)
+        fwd_ms = time_ms(lambda: scan_forward(x, g, cfg), device=device)
+        bwd_ms = time_ms(lambda: scan_backward(x, g, h, dh, cfg), device=device)
         dx, dg = scan_backward(x_m, g_m, scan_forward(x_m, g_m, cfg), dh_m, cfg)
-        rows.append({"case": f"scan [1, {n}, {channels}]", "config": list(cfg), "copy_GBps": copy_gbs,
-                     "fwd_ms": fwd_ms, "fwd_GBps": 3 * elem / fwd_ms / 1e6, "bwd_ms": bwd_ms,
-                     "bwd_GBps": 6 * elem / bwd_ms / 1e6, "rel_err_fwd_16k": rel(h[:, :m], head.detach()),
-                     "rel_err_dx_16k": rel(dx, xs.grad), "rel_err_dg_16k": rel(dg, gs.grad)})
-        rows[-1]["fwd_frac_copy"] = rows[-1]["fwd_GBps"] / copy_gbs
-        rows[-1]["bwd_frac_copy"] = rows[-1]["bwd_GBps"] / copy_gbs
-        r = rows[-1]
-        print(f"scan {cfg}: fwd {fwd_ms:.3f} ms ({r['fwd_frac_copy']:.0%} of copy), bwd {bwd_ms:.3f} ms "
-              f"({r['bwd_frac_copy']:.0%}), errors {[f'{r[e]:.1e}' for e in errs]}", flush=True)
+        r = {"case": f"scan [1, {n}, {channels}]", "config": list(cfg), "copy_GBps": copy_gbs,
+             "fwd_ms": fwd_ms, "fwd_GBps": 3 * elem / fwd_ms / 1e6, "bwd_ms": bwd_ms,
+             "bwd_GBps": 6 * elem / bwd_ms / 1e6, "rel_err_fwd_16k": rel(h[:, :m], head.detach()),
+             "rel_err_dx_16k": rel(dx, xs.grad), "rel_err_dg_16k": rel(dg, gs.grad)}
+        r["fwd_frac_copy"] = r["fwd_GBps"] / copy_gbs
+        r["bwd_frac_copy"] = r["bwd_GBps"] / copy_gbs
+        print(f"scan {tuple(cfg)}: fwd {fwd_ms:.3f} ms ({r['fwd_frac_copy']:.0%} of copy), "
+              f"bwd {bwd_ms:.3f} ms ({r['bwd_frac_copy']:.0%}), errors {[f'{r[e]:.1e}' for e in errs]}",
+              flush=True)
+        return r
+
+    rows, failed = [], []
+    for candidate in SCAN_CANDIDATES if tune_configs else [DEFAULT_CONFIG]:
+        cfg = ScanConfig(*candidate)  # every field, defaults filled in, in the results
+        try:
+            rows.append(measure(cfg))
+        except Exception as exc:  # one candidate that fails to compile or run must not end the sweep
+            failed.append({"config": list(cfg), "error": repr(exc)[:500]})
+            print(f"scan {tuple(cfg)}: FAILED {failed[-1]['error']}", flush=True)
+    if not rows:
+        raise RuntimeError(f"every scan launch failed: {failed}")
     correct = [r for r in rows if all(r[e] < 1e-2 for e in errs)] or rows  # NaN fails the comparison
     best = min(correct, key=lambda r: r["fwd_ms"] + r["bwd_ms"])
     with torch.no_grad():
-        errors = {"config": best["config"], "all_correct": len(correct) == len(rows),
+        errors = {"config": best["config"], "all_correct": len(correct) == len(rows), "failed": failed,
                   "rel_err_fwd": rel(scan_forward(x, g, tuple(best["config"])),
                                      gated_scan(x.float(), g.float(), dim=1)),
                   **{e: best[e] for e in errs}, "backward_tokens": m}
