@@ -785,15 +785,13 @@ def _split(plan, index, bar_kv: int, device) -> int:
 
 
 def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: float, dq=None, dk=None, dv=None,
-                    accumulate_q: bool = False, accumulate_kv: bool = False, config=None, before_dkdv=None):
+                    accumulate_q: bool = False, accumulate_kv: bool = False, config=None):
     """Gradients of one block-sparse call given the *final* ``lse`` and ``delta`` (of the full attention).
 
     Returns ``(dq, dk, dv, d_bar_k, d_bar_v)``. Gradients are written into ``dq`` / ``dk`` / ``dv`` when
     given (any float dtype, e.g. the fp32 buffers of ring attention), added to their contents with
     ``accumulate_q`` / ``accumulate_kv``; otherwise fresh tensors of the inputs' dtype are returned.
-    ``d_bar_k, d_bar_v`` are fp32 ``[Hq, nb, D]`` (None without bars). ``before_dkdv()``, when given, runs
-    just before the dK/dV launch (after the dQ launch): ring attention waits there for the accumulator
-    its dK/dV add into, so the transfer overlaps the dQ kernel.
+    ``d_bar_k, d_bar_v`` are fp32 ``[Hq, nb, D]`` (None without bars).
     """
     bs = index.block_size
     cfg = _resolve(config, index)
@@ -843,8 +841,6 @@ def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: floa
         dbk = dbv = torch.zeros(1, device=q.device, dtype=torch.float32)
     bm, bn, warps, stages = cfg["dkdv"]
     nkb = index.k_blocks.numel()
-    if before_dkdv is not None:
-        before_dkdv()
     _bsa_bwd_dkdv[(bar_programs + nkb * (bs // bn) * hkv,)](
         q, k, v, bk, bv, do, lse, delta, dq_acc, dk, dv, dbk, dbv,
         index.q_blocks, index.k_blocks, index.col_ptr, index.col_idx, bar_pos, bar_skip, bar_first,

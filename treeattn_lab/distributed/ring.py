@@ -120,14 +120,12 @@ class TritonStep:
         return attention_delta(o, do)
 
     @staticmethod
-    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv, add_kv):
-        """Accumulates into ``dq``; writes the step's dK, dV into the fp32 ``dk``, ``dv``, or adds them to
-        their contents once ``add_kv()`` returns (None: fresh buffers, nothing to add)."""
+    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv):
+        """Accumulates into ``dq``; writes the step's dK, dV into the fresh fp32 ``dk``, ``dv``."""
         from ..kernels.block_sparse import sparse_backward
 
         _, _, _, dbk, dbv = sparse_backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale=scale,
-                                            dq=dq, dk=dk, dv=dv, accumulate_q=True,
-                                            accumulate_kv=add_kv is not None, before_dkdv=add_kv)
+                                            dq=dq, dk=dk, dv=dv, accumulate_q=True)
         return dbk, dbv
 
 
@@ -168,7 +166,7 @@ class ReferenceStep:
         return (o.to(torch.float64) * do.to(torch.float64)).sum(-1).T.to(acc).contiguous()
 
     @staticmethod
-    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv, add_kv):
+    def backward(do, q, k, v, bar_k, bar_v, lse2, delta, index, scale, dq, dk, dv):
         if index.bar_pos is None:
             bar_k, bar_v = bar_k[:, :0], bar_v[:, :0]
         s, group = ReferenceStep._scores(q, k, bar_k, index, scale)
@@ -182,15 +180,8 @@ class ReferenceStep:
         dq += (einsum(ds, kq, "h t s, h s d -> t h d") * scale).to(dq.dtype)
         dkq = einsum(ds, q, "h t s, t h d -> h s d") * scale
         dvq = einsum(p, do, "h t s, t h d -> h s d")
-        step_dk = dkq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1)
-        step_dv = dvq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1)
-        if add_kv is None:
-            dk.copy_(step_dk)
-            dv.copy_(step_dv)
-        else:
-            add_kv()
-            dk += step_dk
-            dv += step_dv
+        dk.copy_(dkq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1))
+        dv.copy_(dvq[:, :n_keys].unflatten(0, (-1, group)).sum(1).transpose(0, 1))
         if index.bar_pos is None:
             return None, None
         return dkq[:, n_keys:], dvq[:, n_keys:]
@@ -289,15 +280,16 @@ def _ring_backward(do, q, k, v, last_kv, bar_k, bar_v, o, lse2, plan: RingPlan, 
         if t > 0:  # step t - 1's keys: from their holder at step t; ours go to theirs at step t - 1
             to, frm = sched.holder(origin, t - 1), sched.holder(sched.origin(plan.rank, t - 1), t)
             nxt = kv_comm.exchange(to, frm, cur, _TAG_KV)
-        if incoming is None:  # the first holder of these keys: fresh buffers
-            dk = torch.empty(k.shape, device=k.device, dtype=acc_dtype)
-            dv = torch.empty(v.shape, device=v.device, dtype=acc_dtype)
-        else:  # the kernel adds into the arriving accumulator, waiting for it only before its dK/dV launch
-            dk, dv = incoming
+        dk = torch.empty(k.shape, device=k.device, dtype=acc_dtype)
+        dv = torch.empty(v.shape, device=v.device, dtype=acc_dtype)
         dbk, dbv = step.backward(do, q, cur[0], cur[1], bar_k, bar_v, lse2, delta, plan.steps[t], scale,
-                                 dq, dk, dv, None if incoming is None else dkv_comm.wait)
+                                 dq, dk, dv)
         if t == 0:
             dbar = (dbk, dbv)
+        if incoming is not None:
+            dkv_comm.wait()
+            dk += incoming[0]
+            dv += incoming[1]
         if t > 0:  # pass the accumulator on, receive the one of step t - 1's keys
             incoming = dkv_comm.exchange(to, frm, [dk, dv], _TAG_DKV)
             kv_comm.wait()
