@@ -107,7 +107,7 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A ScanConfig; `python -m treeattn_lab bench dilated --scan-only --tune-scan` times and checks the
 # candidates on a GPU.
-DEFAULT_CONFIG = (16, 256, 2, 1, "loop")
+DEFAULT_CONFIG = (64, 256, 2, 1, "loop", 8, 8, 6)  # the fastest on an H200 (bench/results/scan__*.json)
 # Flag values per (chunk, chain).
 MAP_READY = tl.constexpr(1)
 STATE_READY = tl.constexpr(2)

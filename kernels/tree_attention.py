@@ -377,7 +377,7 @@ def _tree_attn_bwd_dq(
 # stages. The optional 5th field (default False) asks for TMA tile loads (see :func:`tma_usable`).
 CONFIGS = {  # head_dim -> {"fwd" | "dkdv" | "dq": config}
     64: {"fwd": (128, 128, 8, 3), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
-    128: {"fwd": (128, 128, 8, 3), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
+    128: {"fwd": (128, 128, 8, 3, True), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
 }
 _SMALL_HEAD_CONFIG = {"fwd": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
 
@@ -544,7 +544,8 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     _check(q, k, v)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    defaults = CONFIGS.get(d, _SMALL_HEAD_CONFIG)
+    # fp32 tiles are twice the bytes: the half-precision configs overflow shared memory at head dim 128
+    defaults = _SMALL_HEAD_CONFIG if q.dtype == torch.float32 else CONFIGS.get(d, _SMALL_HEAD_CONFIG)
 
     def plan(config, kernel):
         bm, bn, warps, stages, tma = parse_config(config or defaults[kernel], kernel)
