@@ -89,6 +89,12 @@ SCAN_CANDIDATES = [
     (64, 256, 1, 1, "loop", 8, 8, 4), (64, 256, 4, 1, "loop", 16, 16, 2), (64, 128, 1, 1, "loop", 16, 8, 4),
     (64, 128, 1, 1, "loop", 8, 16, 8), (64, 64, 1, 1, "loop", 8, 16, 16), (128, 256, 2, 1, "loop", 8, 8, 4),
     (128, 512, 2, 1, "loop", 8, 4, 2), (256, 256, 2, 1, "loop", 8, 4, 2),
+    # the first H200 sweep's winner was (64, 256, 2, 1, "loop", 8, 8, 6), and more programs per SM helped
+    # every shape: around it, more programs, a wider window, shorter and longer chunks
+    (64, 256, 2, 1, "loop", 8, 8, 8), (64, 256, 2, 1, "loop", 8, 8, 12), (64, 256, 2, 1, "loop", 8, 8, 16),
+    (64, 256, 2, 1, "loop", 8, 16, 8), (64, 256, 2, 1, "loop", 16, 8, 8), (32, 256, 2, 1, "loop", 8, 8, 8),
+    (32, 256, 2, 1, "loop", 8, 8, 12), (128, 256, 2, 1, "loop", 8, 8, 8), (64, 128, 1, 1, "loop", 8, 8, 12),
+    (64, 128, 1, 1, "loop", 8, 8, 16), (64, 512, 4, 1, "loop", 8, 8, 4), (64, 512, 4, 1, "loop", 8, 8, 6),
 ]
 
 
@@ -216,7 +222,14 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def bench_scan(*, n, channels, dtype, device, tune_configs: bool) -> tuple[list[dict], dict]:
+def scan_candidates(which: str | None) -> list | None:
+    """The ``--tune-scan`` launches: ``"all"``, ``"persistent"`` (programs_per_sm > 0) or None (none)."""
+    if which is None:
+        return None
+    return [c for c in SCAN_CANDIDATES if which == "all" or (len(c) == 8 and c[7] > 0)]
+
+
+def bench_scan(*, n, channels, dtype, device, tune_configs: list | None) -> tuple[list[dict], dict]:
     """Rows per launch config: GB/s of the bytes each pass must move, against copy, and the errors of the
     forward and backward over the first 16K steps against the fp32 loop. Then the fastest correct config's
     forward error over the whole sequence."""
@@ -256,7 +269,7 @@ def bench_scan(*, n, channels, dtype, device, tune_configs: bool) -> tuple[list[
         return r
 
     rows, failed = [], []
-    for candidate in SCAN_CANDIDATES if tune_configs else [DEFAULT_CONFIG]:
+    for candidate in tune_configs or [DEFAULT_CONFIG]:
         cfg = ScanConfig(*candidate)  # every field, defaults filled in, in the results
         try:
             rows.append(measure(cfg))
@@ -296,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--check", action="store_true", help="check bf16 triton against fp32 (GPU)")
     parser.add_argument("--tune", action="store_true", help="pick attention launch configs on the first case")
-    parser.add_argument("--tune-scan", action="store_true", help="time every scan launch candidate")
+    parser.add_argument("--tune-scan", nargs="?", const="all", choices=["all", "persistent"], default=None,
+                        help="time every scan launch candidate (persistent: the persistent launches only)")
     parser.add_argument("--no-scan", action="store_true", help="attention only")
     parser.add_argument("--scan-only", action="store_true", help="the scan only")
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
@@ -332,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if not args.no_scan:
         n_scan, channels = (131072, heads * dim) if cuda else (512, 64)
+        tune_configs = scan_candidates(args.tune_scan) if cuda else None
         extra["scan"], extra["scan_check"] = bench_scan(n=n_scan, channels=channels, dtype=dtype,
-                                                        device=device, tune_configs=args.tune_scan and cuda)
+                                                        device=device, tune_configs=tune_configs)
         print_table("gated scan vs copy bandwidth", SCAN_COLUMNS, extra["scan"])
         print("scan errors vs the fp32 loop:", extra["scan_check"])
         save(rows)
