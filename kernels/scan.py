@@ -91,11 +91,13 @@ stored in the input dtype. Under ``TRITON_INTERPRET=1`` (CPU) the kernels run th
 Status on an H200 (``[1, 128K, 2048]`` bf16, against a 4.24 TB/s ``copy_`` in the same run). The sweep
 (``bench dilated --scan-only --tune-scan``, ``bench/results/scan-tune__*.json``, 25 launches, every one
 within 1.7e-3 / 1.9e-3 of the fp32 loop): the old 16-row chunks now run at 43% / 65% (fast path and
-grouped loop; before them 29% / 26%); 64-256-row chunks at 51-57% forward and 66-70% backward; a
-persistent launch of 6 programs per SM with 64-row chunks is the fastest, the default ``DEFAULT_CONFIG``:
-2.50-2.59 TB/s forward (59-61% of copy) and 3.09-3.10 TB/s backward (73%), in two runs
-(``bench/results/scan__*.json``). The backward moves more bytes per step (x, g, h, dh in; dx, dg out),
-which amortizes the per-chunk cost better; the forward's remaining gap is that cost and pass 2's re-reads.
+grouped loop; before them 29% / 26%); 64-256-row chunks at 51-57% forward and 66-70% backward; persistent
+launches were the fastest (64 rows, 6 programs per SM: 59-61% / 73%). Two narrowing runs around them
+(``--scan-config``, ``bench/results/scan-tune-persistent__*.json`` and ``scan-narrow-*__*.json``) found
+shorter chunks and wider channel blocks better still; the default ``DEFAULT_CONFIG`` (48 rows x 512
+channels, 4 warps, groups of 16 rows, window 8, 6 programs per SM) moves 2.83 TB/s forward (67% of copy)
+and 3.38 TB/s backward (80%). The backward moves more bytes per step (x, g, h, dh in; dx, dg out), which
+amortizes the per-chunk cost better; the forward's remaining gap is that cost and pass 2's re-reads.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A ScanConfig; `python -m treeattn_lab bench dilated --scan-only --tune-scan` times and checks the
 # candidates on a GPU.
-DEFAULT_CONFIG = (64, 256, 2, 1, "loop", 8, 8, 6)  # the fastest on an H200 (bench/results/scan__*.json)
+DEFAULT_CONFIG = (48, 512, 4, 1, "loop", 16, 8, 6)  # the fastest on an H200 (bench/results/scan-*.json)
 # Flag values per (chunk, chain).
 MAP_READY = tl.constexpr(1)
 STATE_READY = tl.constexpr(2)

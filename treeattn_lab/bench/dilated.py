@@ -222,6 +222,20 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+def parse_scan_config(text: str) -> tuple:
+    """A ``ScanConfig`` tuple from the command line (a Python literal), checked by ``ScanConfig``'s fields."""
+    import ast
+
+    try:
+        config = ast.literal_eval(text)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--scan-config must be a tuple literal like (32, 256, 2, 1, 'loop'), "
+                         f"got {text!r}") from e
+    if not isinstance(config, tuple) or not 2 <= len(config) <= 8:
+        raise ValueError(f"--scan-config must be a tuple of 2 to 8 ScanConfig fields, got {text!r}")
+    return config
+
+
 def scan_candidates(which: str | None) -> list | None:
     """The ``--tune-scan`` launches: ``"all"``, ``"persistent"`` (programs_per_sm > 0) or None (none)."""
     if which is None:
@@ -311,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true", help="pick attention launch configs on the first case")
     parser.add_argument("--tune-scan", nargs="?", const="all", choices=["all", "persistent"], default=None,
                         help="time every scan launch candidate (persistent: the persistent launches only)")
+    parser.add_argument("--scan-config", action="append", default=None, metavar="TUPLE",
+                        help="time this scan launch, e.g. \"(32, 256, 2, 1, 'loop', 16, 8, 8)\" (repeatable; "
+                             "with --tune-scan, after its candidates)")
     parser.add_argument("--no-scan", action="store_true", help="attention only")
     parser.add_argument("--scan-only", action="store_true", help="the scan only")
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
@@ -347,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_scan:
         n_scan, channels = (131072, heads * dim) if cuda else (512, 64)
         tune_configs = scan_candidates(args.tune_scan) if cuda else None
+        if args.scan_config:
+            tune_configs = (tune_configs or []) + [parse_scan_config(text) for text in args.scan_config]
         extra["scan"], extra["scan_check"] = bench_scan(n=n_scan, channels=channels, dtype=dtype,
                                                         device=device, tune_configs=tune_configs)
         print_table("gated scan vs copy bandwidth", SCAN_COLUMNS, extra["scan"])
