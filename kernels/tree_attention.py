@@ -60,8 +60,9 @@ device, ``tl.make_tensor_descriptor`` over that head's ``[T, HEAD_DIM]`` rows, a
 arithmetic, and fills rows ``>= T`` with zeros, so no load needs a mask; the score mask still hides those
 keys. The tiles a program loads only once (its own Q, dO or K, V rows) stay pointer loads. Descriptors
 live in a small global scratch buffer that Triton requests from the allocator of ``triton.set_allocator``.
-The TMA path is compiled for sm_90 and checked under the interpreter but not yet timed on a GPU: the
-defaults keep pointer loads until ``bench tree-tune`` measures both. (``tl.range(...,
+Timed on an H200 (``bench tree-tune``, every tile shape both ways, research cases): TMA makes the forward
+1-3% faster and the backward kernels -1% to +2%, so the head-dim-128 forward default uses it and the
+backward defaults keep pointer loads. (``tl.range(...,
 warp_specialize=True)`` is not used: in Triton 3.6 on sm_90 it leaves these loops unchanged at 8 warps
 and fails to compile them at 4.)
 
