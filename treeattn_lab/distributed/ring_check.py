@@ -122,15 +122,23 @@ def _timed(fn, reps: int, group) -> float:
 
 
 def _profile(fn, rank: int, out: Path) -> None:
-    """One profiled run of ``fn`` (after a barrier): kernels, NCCL and copies on this rank's GPU."""
+    """One profiled run of ``fn`` (after a barrier): kernels, NCCL and copies on this rank's GPU, as a
+    chrome trace and as a compact GPU timeline (:func:`treeattn_lab.bench.trace.gpu_timeline`)."""
+    import json
+
     from torch.profiler import ProfilerActivity, profile
+
+    from ..bench.trace import gpu_timeline
 
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     out.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out / f"sparse-ring-trace-rank{rank}.json"))
+    trace = out / f"sparse-ring-trace-rank{rank}.json"
+    prof.export_chrome_trace(str(trace))
+    timeline = out / f"sparse-ring-timeline-rank{rank}.json"
+    timeline.write_text(json.dumps(gpu_timeline(trace), indent=1) + "\n")
     if rank == 0:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
 
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
                         help="NCCL on high-priority streams: transfers start ahead of queued kernel blocks")
     parser.add_argument("--profile", action="store_true",
                         help="profile one fwd+bwd of the first layout: rank 0 prints its top GPU ops, "
-                             "every rank writes a chrome trace next to the results")
+                             "every rank writes a chrome trace and a GPU timeline next to the results")
     args = parser.parse_args(argv)
 
     import triton  # noqa: F401  (the GPU path needs it)
