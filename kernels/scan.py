@@ -96,7 +96,7 @@ launches were the fastest (64 rows, 6 programs per SM: 59-61% / 73%). Two narrow
 (``--scan-config``, ``bench/results/scan-tune-persistent__*.json`` and ``scan-narrow-*__*.json``) found
 shorter chunks and wider channel blocks better still; the default ``DEFAULT_CONFIG`` (48 rows x 512
 channels, 4 warps, groups of 16 rows, window 8, 6 programs per SM) moves 2.83 TB/s forward (67% of copy)
-and 3.38 TB/s backward (80%). The backward moves more bytes per step (x, g, h, dh in; dx, dg out), which
+and 3.37 TB/s backward (80%). The backward moves more bytes per step (x, g, h, dh in; dx, dg out), which
 amortizes the per-chunk cost better; the forward's remaining gap is that cost and pass 2's re-reads.
 """
 

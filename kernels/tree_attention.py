@@ -60,7 +60,8 @@ device, ``tl.make_tensor_descriptor`` over that head's ``[T, HEAD_DIM]`` rows, a
 arithmetic, and fills rows ``>= T`` with zeros, so no load needs a mask; the score mask still hides those
 keys. The tiles a program loads only once (its own Q, dO or K, V rows) stay pointer loads. Descriptors
 live in a small global scratch buffer that Triton requests from the allocator of ``triton.set_allocator``.
-Timed on an H200 (``bench tree-tune``, every tile shape both ways, research cases): TMA makes the forward
+Timed on an H200 (``bench tree-tune``, every tile shape both ways, research cases; that run's JSON did
+not come back from the machine, the figures are from its printed table, README): TMA makes the forward
 1-3% faster and the backward kernels -1% to +2%, so the head-dim-128 forward default uses it and the
 backward defaults keep pointer loads. (``tl.range(...,
 warp_specialize=True)`` is not used: in Triton 3.6 on sm_90 it leaves these loops unchanged at 8 warps
@@ -411,8 +412,9 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
 
     Needs an sm_90+ GPU (Hopper's copy engine; Triton's CPU interpreter emulates descriptors, so there it
     runs too) and what a descriptor over one head's rows requires: 16-byte aligned base address, row
-    stride and head stride. A launch that asks for TMA where this is False runs the pointer loads (same
-    results).
+    stride and head stride, and rows that do not overlap (a row stride of at least ``D``: an input
+    broadcast with ``expand`` has stride 0). A launch that asks for TMA where this is False runs the pointer
+    loads (same results).
     """
     if not hasattr(tl, "make_tensor_descriptor"):  # Triton < 3.4
         return False
@@ -420,7 +422,7 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
         return False
     return all(x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
-               and (x.stride(1) * x.element_size()) % 16 == 0 for x in tensors)
+               and (x.stride(1) * x.element_size()) % 16 == 0 and x.stride(0) >= x.shape[-1] for x in tensors)
 
 
 def _tma_scratch(size: int, alignment: int, stream, _empty=torch.empty):

@@ -45,6 +45,14 @@ def test_hierarchical_ring_two_nodes_of_two():
     _assert_close(run_spawned(4, [dict(layout="striped", tokens=128, inner=2)], timeout=240), TOL)
 
 
+@pytest.mark.xdist_group("ring")
+@pytest.mark.parametrize("inner", [3, 2])
+def test_hierarchical_rings_of_six_ranks(inner):
+    """2 nodes x 3 and 3 nodes x 2: with 3 in a loop, "next" and "previous" are different ranks, so a
+    swapped direction in either loop (forward, or the backward walking the ring in reverse) fails."""
+    _assert_close(run_spawned(6, [dict(layout="striped", tokens=96, inner=inner)], timeout=240), TOL)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_layouts_partition_the_blocks_and_shard_round_trips(layout, world):

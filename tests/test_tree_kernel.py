@@ -215,6 +215,13 @@ def test_tma_falls_back_to_pointer_loads_on_unaligned_rows():
     assert relative_error(out, want) < 2e-5
 
 
+def test_tma_refuses_overlapping_rows():
+    # a key broadcast over tokens (stride 0) is aligned but no descriptor can describe it
+    x = torch.randn(8, 2, 16).to(DEVICE)
+    assert tma_usable(x, x, x)
+    assert not tma_usable(x, x[:1].expand(8, 2, 16), x)
+
+
 @pytest.mark.parametrize(("config", "error", "match"), [
     ((16, 16, 4, 1, "yes"), TypeError, "tma"),
     ((16, 16, 4), ValueError, "BLOCK_M, BLOCK_N, num_warps, num_stages"),

@@ -73,11 +73,11 @@ BWD_CANDIDATES = [
 # window, programs_per_sm]). Long chunks: by estimate, the states of a chain's N / block_t chunks resolve
 # about `window` chunks per look-back round, one round after another, so 16-row chunks made that chain (not
 # the data) the limit. Persistent launches (programs_per_sm > 0): the row loop re-reads each chunk, cheap
-# only while running programs x block_t x block_c x 4 bytes fit in L2. On sm_90 (.dev/compile_scan.py) only
-# the first two spill (8 bytes, forward). Only the first was measured on a GPU, and before the grouped row
-# loop, the look-back fast path and persistent launches existed.
+# only while running programs x block_t x block_c x 4 bytes fit in L2. Compiled for sm_90 (on a CPU), only
+# the first two spill (8 bytes, forward). All were measured on an H200 (bench/results/scan-tune*__*.json);
+# the fastest launches then came from narrowing runs with --scan-config (scan-narrow-*__*.json).
 SCAN_CANDIDATES = [
-    (16, 256, 2, 1, "loop"), (16, 256, 2, 1, "loop", 16),  # the measured best (its 16 rows in 2 groups / 1)
+    (16, 256, 2, 1, "loop"), (16, 256, 2, 1, "loop", 16),  # the old default (its 16 rows in 2 groups / 1)
     (32, 64, 2, 1, "tile"),  # the tile scan, under the new ticket walk
     # one program per chunk (block_c / (32 x warps) = 8 channels a thread: 16-byte loads; 4: 8 bytes; 2: 4)
     (32, 256, 4, 1, "loop", 8, 16), (64, 256, 4, 1, "loop", 8, 16), (64, 256, 2, 1, "loop", 8, 8),

@@ -15,12 +15,13 @@ Forward
 Backward
     With the final output's log-sum-exp and ``delta = rowsum(dO * O)`` every step's gradient is exact
     on its own. The keys go around the ring a second time, *backwards*: the backward starts on the keys
-    the forward ended with (kept from the forward: no transfer before the first step) and ends on the
-    rank's own. Each step computes dQ (accumulated locally, fp32), and dK, dV of the keys held (fresh
-    fp32), adds the accumulator arriving from the rank that held those keys one step later, and passes
-    it on: a second ring of fp32 dK/dV whose last stop is the keys' owner, computing its own part, so
-    no transfer is left after the last kernel (walking forwards, the finished accumulators had to make
-    one more hop home: 2 GB of fp32 per rank at 256K tokens on 2 ranks, about 6 ms exposed on H200s).
+    the forward ended with (kept from the forward: no transfer before the first step, at the cost of one
+    more K/V shard held per call until its backward) and ends on the rank's own. Each step computes dQ
+    (accumulated locally, fp32), and dK, dV of the keys held (fresh fp32), adds the accumulator arriving
+    from the rank that held those keys one step later, and passes it on: a second ring of fp32 dK/dV
+    whose last stop is the keys' owner, computing its own part, so no transfer is left after the last
+    kernel (walking forwards, the finished accumulators had to make one more hop home: 2 GB of fp32 per
+    rank at 256K tokens on 2 ranks, about 6 ms exposed on H200s).
     The bars' dK, dV (computed at step 0) are summed over ranks with one all-reduce and added by the
     owners.
 

@@ -130,17 +130,20 @@ def _profile(fn, rank: int, out: Path) -> None:
 
     from ..bench.trace import gpu_timeline
 
+    cuda = torch.cuda.is_available()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     out.mkdir(parents=True, exist_ok=True)
     trace = out / f"sparse-ring-trace-rank{rank}.json"
     prof.export_chrome_trace(str(trace))
     timeline = out / f"sparse-ring-timeline-rank{rank}.json"
     timeline.write_text(json.dumps(gpu_timeline(trace), indent=1) + "\n")
     if rank == 0:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+        sort = "cuda_time_total" if cuda else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 
 
 def main(argv=None) -> int:
@@ -225,8 +228,6 @@ def main(argv=None) -> int:
                      "single_fwd_bwd_ms": single["fwd_bwd_ms"], "ring_fwd_ms": fwd_ms,
                      "ring_fwd_bwd_ms": fwd_bwd_ms, "fwd_speedup": single["fwd_ms"] / fwd_ms,
                      "fwd_bwd_speedup": single["fwd_bwd_ms"] / fwd_bwd_ms, **err})
-    if args.profile:
-        _profile(profiled[0], rank, Path(args.out or "bench/results"))
     if rank == 0:
         env = environment()
         env["world"] = world
@@ -239,6 +240,8 @@ def main(argv=None) -> int:
                              extra={"dtype": str(dtype), "heads": H, "head_dim": args.dim,
                                     "pattern": repr(pattern)})
         print(f"wrote {path}")
+    if args.profile:  # after the results are written: a profiler failure cannot lose them
+        _profile(profiled[0], rank, Path(args.out or "bench/results"))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -262,6 +262,7 @@ def draw_sparse_bench(rows: Sequence[Mapping], *, title: str | None = None) -> g
 
 __all__ = [
     "draw_attention_maps",
+    "draw_gpu_timeline",
     "draw_layouts",
     "draw_pattern",
     "draw_recall",
