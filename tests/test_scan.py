@@ -22,7 +22,9 @@ from treeattn_lab.reference.scan import gated_scan as reference_scan
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 # (block_t, block_c, warps, stages, method[, unroll, window, programs_per_sm]); loop chunks of 24 and 40 rows
-# walked in groups of 8 and 3 (groups that overrun the chunk), 2 programs per chain taking turns
+# walked in groups of 8 and 3 (groups that overrun the chunk), a persistent launch of 2 programs per chain
+# (under the interpreter programs run one after another, so the first walks every chunk of its chain and
+# the other finds none left: the ticket walk's bookkeeping is tested here, its concurrency on a GPU)
 CONFIGS = [(16, 4, 1, 1, "tile"), (8, 8, 1, 1, "tile"), (32, 16, 4, 1, "tile"), (16, 4, 1, 1, "loop"),
            (4, 16, 1, 1, "loop"), (32, 8, 2, 1, "loop"), (24, 4, 1, 1, "loop", 8, 4),
            (40, 8, 2, 1, "loop", 3, 2, 64)]
@@ -87,7 +89,7 @@ def test_kernel_matches_loop_fp16(shape, dim, method):
 
 @pytest.mark.parametrize(("dtype", "config", "inclusive_every", "window"), [
     (torch.float32, (64, 4, 1, 1, "loop", 5), 1000, 2),  # groups of 5 overrun each chunk's end; maps composed
-    (torch.float32, (64, 8, 2, 1, "loop", 8, 16, 8), 1, 16),  # fast path throughout; 2 programs per chain
+    (torch.float32, (64, 8, 2, 1, "loop", 8, 16, 8), 1, 16),  # fast path throughout; persistent
     (torch.float16, (128, 4, 1, 1, "loop", 16), 2, 4),
 ])
 def test_long_loop_chunks(dtype, config, inclusive_every, window):
