@@ -73,6 +73,7 @@ dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -243,10 +244,23 @@ def _tree_attn_fwd(
 
 # --------------------------------------------------------------------------------------- backward
 @triton.jit
+def _bwd_delta(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh,
+               BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``delta[head, t] = sum_d O[t, head, d] * dO[t, head, d]`` in fp32, one pass over O and dO."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < T
+    o = _load_rows(O + head * stride_oh, tile * BLOCK, T, stride_ot, BLOCK, HEAD_DIM, False, True)
+    do = _load_rows(DO + head * stride_doh, tile * BLOCK, T, stride_dot, BLOCK, HEAD_DIM, False, True)
+    tl.store(DELTA + head * T + offs, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_range)
+
+
+@triton.jit
 def _bwd_dkdv_tile(
-    dk, dv, k, v, q_src, do_src, LSE, DELTA, SE, i, offs_n, T, stride_qt, stride_dot, qk_scale,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    dk, dv, k, v, q_src, do_src, LSE, DELTA, SE, dq_dst, i, offs_n, T, stride_qt, stride_dot, stride_dqt,
+    qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(q_src, i * BLOCK_M, T, stride_qt, BLOCK_M, HEAD_DIM, USE_TMA, MASKED)
@@ -266,8 +280,18 @@ def _bwd_dkdv_tile(
         p_t = tl.where(visible, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:  # this tile's share of dQ = dS K, added into the fp32 dQ of its rows
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # [BLOCK_M, HEAD_DIM]
+        if DQ_TMA:  # one bulk reduce-add by the copy engine; rows >= T are dropped
+            dq_dst.atomic_add([i * BLOCK_M, 0], dq)
+        else:
+            ptrs = dq_dst + offs_m.to(tl.int64)[:, None] * stride_dqt + tl.arange(0, HEAD_DIM)[None, :]
+            if MASKED:
+                tl.atomic_add(ptrs, dq, mask=(offs_m < T)[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -275,10 +299,10 @@ def _bwd_dkdv_tile(
 def _tree_attn_bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV, SE, PTR, IDX,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, DQ, stride_dqt, stride_dqh,
     qk_scale, scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -299,16 +323,20 @@ def _tree_attn_bwd_dkdv(
         do_src = _rows_of(DO + head * stride_doh, T, stride_dot, BLOCK_M, HEAD_DIM, USE_TMA)
         LSEh = LSE + head * T
         DELTAh = DELTA + head * T
+        dq_dst = DQ + head * stride_dqh
+        if DQ_TMA:
+            dq_dst = tl.make_tensor_descriptor(dq_dst, shape=[T, HEAD_DIM], strides=[stride_dqt, 1],
+                                               block_shape=[BLOCK_M, HEAD_DIM])
         for it in range(start, full_end):
             i = tl.load(IDX + it)
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_src, do_src, LSEh, DELTAh, SE, i, offs_n, T,
-                                    stride_qt, stride_dot, qk_scale, BLOCK_M, HEAD_DIM, False, DOT_PRECISION,
-                                    USE_TMA)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_src, do_src, LSEh, DELTAh, SE, dq_dst, i, offs_n, T,
+                                    stride_qt, stride_dot, stride_dqt, qk_scale, BLOCK_M, HEAD_DIM, False,
+                                    DOT_PRECISION, USE_TMA, ATOMIC_DQ, DQ_TMA)
         for it in range(full_end, end):
             i = tl.load(IDX + it)
-            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_src, do_src, LSEh, DELTAh, SE, i, offs_n, T,
-                                    stride_qt, stride_dot, qk_scale, BLOCK_M, HEAD_DIM, True, DOT_PRECISION,
-                                    USE_TMA)
+            dk, dv = _bwd_dkdv_tile(dk, dv, k, v, q_src, do_src, LSEh, DELTAh, SE, dq_dst, i, offs_n, T,
+                                    stride_qt, stride_dot, stride_dqt, qk_scale, BLOCK_M, HEAD_DIM, True,
+                                    DOT_PRECISION, USE_TMA, ATOMIC_DQ, DQ_TMA)
     tl.store(DK + kv_head * stride_dkh + rows[:, None] * stride_dkt + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=in_range[:, None])
     tl.store(DV + kv_head * stride_dvh + rows[:, None] * stride_dvt + offs_d[None, :],
@@ -382,6 +410,10 @@ CONFIGS = {  # head_dim -> {"fwd" | "dkdv" | "dq": config}
     128: {"fwd": (128, 128, 8, 3, True), "dkdv": (128, 128, 8, 2), "dq": (128, 128, 8, 2)},
 }
 _SMALL_HEAD_CONFIG = {"fwd": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
+# dQ without its own kernel: the dK/dV kernel adds each tile's dS K into an fp32 dQ with atomics (pointer
+# ``red.add`` per element, or on a CUDA sm_90+ GPU one TMA bulk reduce-add per tile), which saves
+# recomputing S and dP (5 matrix products per tile pair instead of 7) at the cost of fp32 traffic to L2.
+ATOMIC_DQ_MODES = ("atomic", "atomic-tma")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -392,11 +424,16 @@ def _check(q, k, v):
     check_attention_inputs(q)
 
 
-def parse_config(config, kernel: str) -> tuple[int, int, int, int, bool]:
-    """A launch ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, tma])`` checked, ``tma`` filled in (False)."""
+def parse_config(config, kernel: str) -> tuple[int, int, int, int, bool] | str:
+    """A launch ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, tma])`` checked, ``tma`` filled in (False);
+    for the dQ kernel also one of :data:`ATOMIC_DQ_MODES`, returned as is."""
+    if kernel == "dq" and isinstance(config, str):
+        if config not in ATOMIC_DQ_MODES:
+            raise ValueError(f"dq_config as a string must be one of {ATOMIC_DQ_MODES}, got {config!r}")
+        return config
     if not isinstance(config, (tuple, list)) or len(config) not in (4, 5):
-        raise ValueError(f"{kernel}_config must be (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma]), "
-                         f"got {config!r}")
+        raise ValueError(f"{kernel}_config must be (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma])"
+                         f"{' or one of ' + str(ATOMIC_DQ_MODES) if kernel == 'dq' else ''}, got {config!r}")
     block_m, block_n, warps, stages, *rest = config
     for name, size in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
         if not isinstance(size, int) or size < 16 or size & (size - 1):
@@ -473,13 +510,42 @@ def should_split_groups(T: int, hq: int, hkv: int, block_n: int, device: torch.d
     return triton.cdiv(T, block_n) * hkv < 4 * sms
 
 
+CONCURRENT_DQ = True  # run the dQ kernel on a second CUDA stream beside the dK/dV kernel
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra CUDA stream per device, made on first use, for the dQ kernel."""
+    key = torch.cuda.current_device() if device.index is None else device.index
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``rowsum(O * dO)`` per head and token, ``[Hq, T]`` fp32 (the backward's softmax correction)."""
+    T, hq, d = o.shape
+    delta = torch.empty((hq, T), device=o.device, dtype=torch.float32)
+    _bwd_delta[(triton.cdiv(T, block), hq)](o, do, delta, T, o.stride(0), o.stride(1), do.stride(0),
+                                            do.stride(1), BLOCK=block, HEAD_DIM=d)
+    return delta
+
+
 def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sched, dq_launch, scale,
               split_groups):
     T, hq, d = q.shape
     hkv = k.shape[1]
     do = do.contiguous()
-    delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [Hq, T]
-    dq = torch.empty_like(q)
+    delta = _delta(o, do)
+    atomic_dq = isinstance(dq_launch, str)
+    if atomic_dq:  # accumulated by the dK/dV kernel; zeros first, scaled and cast at the end
+        dq = torch.zeros((T, hq, d), device=q.device, dtype=torch.float32)
+        # Triton's CPU interpreter has no descriptor reduce-add: there "atomic-tma" runs pointer atomics
+        dq_tma = dq_launch == "atomic-tma" and dq.device.type == "cuda" and tma_usable(dq)
+        if dq_tma:
+            _ensure_scratch_allocator()
+    else:
+        dq, dq_tma = torch.empty_like(q), False
     if split_groups is None:
         split_groups = should_split_groups(T, hq, hkv, dkdv_sched["block_n"], q.device)
     if split_groups and hq != hkv:  # per query head over repeated K/V, fp32 partials summed per group
@@ -488,21 +554,33 @@ def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sche
     else:
         kk, vv = k, v
         dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # dQ does not depend on dK/dV: on a GPU its kernel runs on a second stream, so that its programs
+    # fill the SMs the dK/dV kernel's last (longest) programs leave idle, and the streams join at the end
+    side = _side_stream(q.device) if CONCURRENT_DQ and q.device.type == "cuda" and not atomic_dq else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
     _tree_attn_bwd_dkdv[(triton.cdiv(T, dkdv_sched["block_n"]), kk.shape[1])](
         q, kk, vv, do, lse, delta, dk, dv, subtree_end, dkdv_sched["bwd_ptr"], dkdv_sched["bwd_idx"],
         T, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale * LOG2E, scale,
-        **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // kk.shape[1], d, (q, do)),
+        dq, dq.stride(0), dq.stride(1), scale * LOG2E, scale,
+        **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // kk.shape[1], d, (q, do)), ATOMIC_DQ=atomic_dq,
+        DQ_TMA=dq_tma,
     )
+    if atomic_dq:
+        dq = (dq * scale).to(q.dtype)
+    else:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _tree_attn_bwd_dq[(triton.cdiv(T, dq_sched["block_m"]), hq)](
+                q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
+                T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+                scale * LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d, (k, v)),
+            )
     if kk is not k:
         dk, dv = (x.view(T, hkv, hq // hkv, d).sum(2).to(k.dtype) for x in (dk, dv))
-    _tree_attn_bwd_dq[(triton.cdiv(T, dq_sched["block_m"]), hq)](
-        q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
-        T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        scale * LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d, (k, v)),
-    )
+    if side is not None:  # everything the dQ kernel read was allocated on, and is freed after, this join
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return dq, dk, dv
 
 
@@ -551,7 +629,10 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     defaults = _SMALL_HEAD_CONFIG if q.dtype == torch.float32 else CONFIGS.get(d, _SMALL_HEAD_CONFIG)
 
     def plan(config, kernel):
-        bm, bn, warps, stages, tma = parse_config(config or defaults[kernel], kernel)
+        launch = parse_config(config or defaults[kernel], kernel)
+        if isinstance(launch, str):  # dQ accumulated by the dK/dV kernel: no schedule of its own
+            return None, launch
+        bm, bn, warps, stages, tma = launch
         return schedule_for(pack, bm, bn), (warps, stages, tma)
 
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))

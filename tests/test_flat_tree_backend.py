@@ -137,10 +137,17 @@ def test_auto_runs_low_sharing_packs_flat_on_cuda(monkeypatch):
     low = RolloutTrie.from_sequences(branching_rollouts(2, 8, [(4, 64)])).pack()  # ratio 1.01
     high = RolloutTrie.from_sequences(branching_rollouts(1, 256, [(8, 16)])).pack()  # ratio 4.6
     copies = RolloutTrie.from_sequences([list(range(40))] * 6 + [list(range(20))]).pack()  # copies, a prefix
-    ratio = flat_tree.rollout_pair_ratio
+    ratio = flat_tree.flat_pair_ratio
     assert ratio(low) < flat_tree.FLAT_BELOW_PAIR_RATIO < ratio(high)
     # the ratio over distinct root-to-leaf rollouts: copies and prefixes add no flat work
     assert ratio(copies) == 1.0 < copies.flat_attended_pairs() / copies.attended_pairs()
+    # rollouts of unequal length: the padding counts (what sent data:grpo_math flat before it did)
+    ragged = RolloutTrie.from_sequences([[1000 * i + t for t in range(n)]  # nothing shared, one bucket
+                                         for i, n in enumerate((100, 60, 30, 10))]).pack()
+    assert flat_tree.rollout_pair_ratio(ragged) < flat_tree.FLAT_BELOW_PAIR_RATIO < ratio(ragged)
+    assert choose_tree_backend("auto", ragged, torch.device("cuda"), torch.bfloat16) == "triton"
+    for pack in (low, high, copies, ragged):
+        assert ratio(pack) == pytest.approx(flat_tree.flat_plan(pack).padded_pairs() / pack.attended_pairs())
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     assert choose_tree_backend("auto", low, cuda, bf16) == "flat"
     assert choose_tree_backend("auto", low, cuda, torch.float16) == "flat"

@@ -22,6 +22,7 @@ from treeattn_lab import RolloutTrie, reference, tree_attention
 SMALL_TILES = [
     {"fwd_config": (16, 16, 4, 1), "dkdv_config": (16, 16, 4, 1), "dq_config": (16, 16, 4, 1)},
     {"fwd_config": (32, 16, 4, 1), "dkdv_config": (16, 32, 4, 1), "dq_config": (32, 16, 4, 1)},
+    {"fwd_config": (16, 16, 4, 1), "dkdv_config": (32, 16, 4, 1), "dq_config": "atomic"},  # dQ by atomics
 ]
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
@@ -201,6 +202,28 @@ def test_tma_loads_match_pointer_loads_and_reference(dtype, split_groups):
     _check(pack, hq=4, hkv=2, d=16, dtype=dtype, seed=12, tiles=TMA_TILES, split_groups=split_groups)
 
 
+@pytest.mark.parametrize("mode", ["atomic", "atomic-tma"])
+@pytest.mark.parametrize(("dtype", "split_groups"), [(torch.float32, False), (torch.float32, True),
+                                                     (torch.float16, False)])
+def test_atomic_dq_matches_dq_kernel_and_reference(mode, dtype, split_groups):
+    # dQ added tile by tile into fp32 by the dK/dV kernel (pointer atomics or TMA bulk reduce-adds),
+    # ragged last tiles included: the same gradients as the dQ kernel, and the float64 reference
+    pack = _awkward_pack()
+    gen = torch.Generator().manual_seed(21)
+    T = pack.num_tokens
+    inputs = [torch.randn(T, h, 16, generator=gen).to(dtype) for h in (4, 2, 2)]
+    do = torch.randn(T, 4, 16, generator=gen).to(dtype)
+    tiles = {"fwd_config": (16, 16, 4, 1), "dkdv_config": (32, 16, 4, 1)}
+    atomic = _run(pack, inputs, do, {**tiles, "dq_config": mode}, split_groups)
+    kernel = _run(pack, inputs, do, {**tiles, "dq_config": (32, 16, 4, 1)}, split_groups)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    for got, want, name in zip(atomic, kernel, ["out", "dq", "dk", "dv"], strict=True):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name}: atomic dQ != dQ kernel")
+    _check(pack, hq=4, hkv=2, d=16, dtype=dtype, seed=22, tiles={**tiles, "dq_config": mode},
+           split_groups=split_groups)
+
+
 def test_tma_falls_back_to_pointer_loads_on_unaligned_rows():
     # rows 4 bytes off a 16-byte boundary cannot be described to the copy engine: the pointer loads run
     pack = _awkward_pack()
@@ -227,6 +250,7 @@ def test_tma_refuses_overlapping_rows():
     ((16, 16, 4), ValueError, "BLOCK_M, BLOCK_N, num_warps, num_stages"),
     ((24, 16, 4, 1), ValueError, "BLOCK_M must be a power of two"),
     ((16, 8, 4, 1, False), ValueError, "BLOCK_N must be a power of two"),
+    ("atomics", ValueError, "dq_config as a string must be one of"),
 ])
 def test_launch_configs_are_validated(config, error, match):
     pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()

@@ -4,7 +4,9 @@ Times the forward for every forward config, then forward+backward for every dK/d
 best forward) and every dQ config (with the best of both), over the research cases. A config is
 ``(BLOCK_M, BLOCK_N, num_warps, num_stages, tma)``: each tile shape runs with pointer loads and with TMA
 tensor-descriptor loads (``tma=True``, sm_90+; ``--loads`` picks one), so one run compares the two load
-paths; a summary gives the best of each per case and pass. Every row also records ``err``, the relative
+paths; a summary gives the best of each per case and pass. A fourth sweep (``atomic``) times backward
+launches with no dQ kernel: the dK/dV kernel adds dQ with fp32 atomics (pointer or TMA reduce-adds).
+``--passes`` picks the sweeps. Every row also records ``err``, the relative
 error of its output (forward) or of its gradients (forward+backward) against the default launch's, so a
 fast but wrong variant shows. The winners belong in ``CONFIGS`` of ``kernels/tree_attention.py``.
 """
@@ -28,7 +30,11 @@ FWD_SHAPES = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4
               (128, 32, 4, 4), (256, 64, 8, 3)]
 DKDV_SHAPES = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 3)]
 DQ_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3)]
+# dK/dV shapes that fit sm_90's shared memory with dQ added by atomics (the kernel then also holds a
+# [BLOCK_M, HEAD_DIM] fp32 dQ tile); compiled on a CPU with ptxas they spill at most 28 bytes at head dim 128
+ATOMIC_DKDV_SHAPES = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 4, 3)]
 LOADS = {"both": (False, True), "pointer": (False,), "tma": (True,)}
+PASSES = ("fwd", "dkdv", "dq", "atomic")
 
 
 def candidates(shapes, loads: str = "both") -> list[tuple]:
@@ -43,10 +49,18 @@ def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
                for g, w in zip(got, want, strict=True))
 
 
+def atomic_candidates(shapes=None) -> list[tuple]:
+    """``(dkdv_config, dq_mode)`` pairs: every dK/dV shape (pointer loads) with each atomic dQ mode."""
+    from ..kernels.tree_attention import ATOMIC_DQ_MODES
+
+    return [((*shape, False), mode) for mode in ATOMIC_DQ_MODES for shape in shapes or ATOMIC_DKDV_SHAPES]
+
+
 def _sweep(name, configs, step, result, want, grad_to_none, flops, tma_ok, device) -> list[dict]:
     rows = []
     for cfg in configs:
-        if cfg[4] and not tma_ok:
+        atomic = isinstance(cfg[0], tuple)  # (dkdv launch, atomic dQ mode)
+        if (cfg[1] == "atomic-tma" if atomic else cfg[4]) and not tma_ok:
             rows.append({"case": name, "config": cfg, "error": "TMA not usable here (sm_90+, aligned rows)"})
             continue
         try:
@@ -64,10 +78,17 @@ def _fastest(rows: list[dict]) -> tuple:
 
 
 def tune_case(case, heads: int, dim: int, loads: str = "both", device: str = "cuda",
-              dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """Rows of one case; ``device`` / ``dtype`` other than the GPU's bf16 only for a CPU smoke run."""
+              dtype: torch.dtype = torch.bfloat16, passes=PASSES) -> list[dict]:
+    """Rows of one case; ``device`` / ``dtype`` other than the GPU's bf16 only for a CPU smoke run.
+
+    ``passes``: which sweeps run (the others use the default launches): ``fwd``, ``dkdv``, ``dq`` (the
+    dQ kernel's shapes) and ``atomic`` (dQ added by the dK/dV kernel, :func:`atomic_candidates`).
+    """
     from ..kernels.tree_attention import tma_usable, triton_tree_attention
 
+    unknown = set(passes) - set(PASSES)
+    if unknown:
+        raise ValueError(f"unknown tune passes {sorted(unknown)}; choose from {PASSES}")
     pack = RolloutTrie.from_sequences(case.sequences).pack().to(device)
     flops = pack.attended_pairs() * 4 * heads * dim
     q, k, v = (torch.randn(pack.num_tokens, heads, dim, device=device, dtype=dtype, requires_grad=True)
@@ -89,31 +110,46 @@ def tune_case(case, heads: int, dim: int, loads: str = "both", device: str = "cu
 
     want_out = [triton_tree_attention(q, k, v, pack).detach()]  # the default launch
     want_grads = grads(lambda c: triton_tree_attention(q, k, v, pack).backward(do), None)
-    fwd = _sweep(case.name, candidates(FWD_SHAPES, loads), forward, lambda c: [forward(c).detach()], want_out,
-                 None, flops, tma_ok, device)
-    best = _fastest(fwd)
+    rows, best = [], {"fwd": None, "dkdv": None}
+
+    def sweep(label, configs, step, result, want, grad_to_none, pass_flops):
+        timed = _sweep(case.name, configs, step, result, want, grad_to_none, pass_flops, tma_ok, device)
+        rows.extend({**r, "pass": label} for r in timed)
+        return _fastest(timed) if any("ms" in r for r in timed) else None
+
+    if "fwd" in passes:
+        best["fwd"] = sweep("fwd", candidates(FWD_SHAPES, loads), forward, lambda c: [forward(c).detach()],
+                            want_out, None, flops)
 
     def with_dkdv(c):
-        triton_tree_attention(q, k, v, pack, fwd_config=best, dkdv_config=c).backward(do)
-
-    dkdv = _sweep(case.name, candidates(DKDV_SHAPES, loads), with_dkdv, lambda c: grads(with_dkdv, c),
-                  want_grads, [q, k, v], 3.5 * flops, tma_ok, device)
-    best_dkdv = _fastest(dkdv)
+        triton_tree_attention(q, k, v, pack, fwd_config=best["fwd"], dkdv_config=c).backward(do)
 
     def with_dq(c):
-        triton_tree_attention(q, k, v, pack, fwd_config=best, dkdv_config=best_dkdv, dq_config=c).backward(do)
+        triton_tree_attention(q, k, v, pack, fwd_config=best["fwd"], dkdv_config=best["dkdv"],
+                              dq_config=c).backward(do)
 
-    dq = _sweep(case.name, candidates(DQ_SHAPES, loads), with_dq, lambda c: grads(with_dq, c), want_grads,
-                [q, k, v], 3.5 * flops, tma_ok, device)
-    return ([{**r, "pass": "fwd"} for r in fwd] + [{**r, "pass": "fwd+bwd, dkdv"} for r in dkdv]
-            + [{**r, "pass": "fwd+bwd, dq"} for r in dq])
+    def with_atomic(c):
+        dkdv_config, dq_mode = c
+        triton_tree_attention(q, k, v, pack, fwd_config=best["fwd"], dkdv_config=dkdv_config,
+                              dq_config=dq_mode).backward(do)
+
+    if "dkdv" in passes:
+        best["dkdv"] = sweep("fwd+bwd, dkdv", candidates(DKDV_SHAPES, loads), with_dkdv,
+                             lambda c: grads(with_dkdv, c), want_grads, [q, k, v], 3.5 * flops)
+    if "dq" in passes:
+        sweep("fwd+bwd, dq", candidates(DQ_SHAPES, loads), with_dq, lambda c: grads(with_dq, c), want_grads,
+              [q, k, v], 3.5 * flops)
+    if "atomic" in passes:
+        sweep("fwd+bwd, atomic dq", atomic_candidates(), with_atomic, lambda c: grads(with_atomic, c),
+              want_grads, [q, k, v], 3.5 * flops)
+    return rows
 
 
 def load_path_summary(rows: list[dict]) -> list[dict]:
     """Per case and pass: the fastest pointer-load and TMA configs and TMA's speedup over pointers."""
     out = []
     for key in dict.fromkeys((r["case"], r["pass"]) for r in rows):
-        timed = [r for r in rows if (r["case"], r["pass"]) == key and "ms" in r]
+        timed = [r for r in rows if (r["case"], r["pass"]) == key and "ms" in r and len(r["config"]) == 5]
         best = {tma: min((r for r in timed if r["config"][4] == tma), key=lambda r: r["ms"], default=None)
                 for tma in (False, True)}
         if best[False] is None or best[True] is None:
@@ -130,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--loads", choices=sorted(LOADS), default="both",
                         help="tile loads to sweep: pointer, tma (sm_90+) or both (default)")
+    parser.add_argument("--passes", default=",".join(PASSES),
+                        help=f"comma-separated sweeps to run, of {','.join(PASSES)} (default: all)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -144,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return listed, path
 
     for case in tqdm(research_cases(), desc="tune", unit="case"):
-        rows += tune_case(case, args.heads, args.dim, args.loads)
+        rows += tune_case(case, args.heads, args.dim, args.loads, passes=tuple(args.passes.split(",")))
         listed, path = save()
     columns = [("case", "case"), ("pass", "pass"), ("config", "(BM, BN, warps, stages, tma)"), ("ms", "ms"),
                ("tflops", "TFLOP/s"), ("err", "rel err"), ("error", "error")]

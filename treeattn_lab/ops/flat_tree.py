@@ -49,6 +49,7 @@ __all__ = [
     "FLAT_BELOW_PAIR_RATIO",
     "FlatBucket",
     "FlatPlan",
+    "flat_pair_ratio",
     "flat_plan",
     "flat_tree_attention",
     "group_lengths",
@@ -57,15 +58,16 @@ __all__ = [
     "rollout_pair_ratio",
 ]
 
-# ``backend="auto"`` runs a pack flat on CUDA when flat pairs / tree pairs is below this. Measured on an
-# H200 (bench/results/tree-fallback__NVIDIA-H200__*.json, bf16, 16 heads x 128, forward + backward):
-# the Triton kernel spends 1.47-1.70x flash's time per useful pair (tree__*.json, research cases), and
-# the gathered-flat backend costs 1.27x flat SDPA on the low-sharing case (28.0 vs 22.0 ms; gathers and
-# scatters on top of flash). Flat-through-gathers wins while ratio x 1.27 < 1.47, i.e. below ~1.16:
-# low sharing (1.01), data:low_sharing (1.00) and data:grpo_math (1.09) go flat; data:tree_search (1.25),
-# the sharing cases (1.71-3.67) and data:agentic (2.43) stay on the kernel. Re-derive from the
-# "gather-flat" and "triton" rows of ``python -m treeattn_lab bench tree``.
-FLAT_BELOW_PAIR_RATIO = 1.15
+# ``backend="auto"`` runs a pack flat on CUDA when :func:`flat_pair_ratio` (the pairs the padded flat
+# batches compute / the pairs the tree attends) is below this. Measured on an H200 (bench/results/
+# tree__NVIDIA-H200__*.json, bf16, 16 heads x 128, forward + backward), the Triton kernel's time per tree
+# pair over the gathered-flat backend's time per padded pair is 1.12 on the low-sharing case (31.0 vs
+# 27.9 ms at ratio 1.01) and 1.06 on data:low_sharing (19.7 vs 19.5 ms at 1.05): flat wins below about
+# 1.1. Above it the kernel won every case: data:grpo_math (padded ratio 1.22: 7.9 vs 10.4 ms; its
+# rollout ratio, 1.09, had sent it flat before the padding was counted), data:tree_search (1.32), the
+# sharing cases (1.71-3.67) and data:agentic (2.44). Re-derive from the "gather-flat" and "triton" rows
+# of ``python -m treeattn_lab bench tree``.
+FLAT_BELOW_PAIR_RATIO = 1.10
 
 # Fixed cost of one more bucket (launches of gathers, attention and scatters, forward and backward),
 # in attended pairs: about 30 us at 450 TFLOP/s with 16 heads x 128 (3.5 x 4 x 2048 flop per pair).
@@ -84,23 +86,37 @@ def _causal_pairs(lengths: torch.Tensor) -> torch.Tensor:
     return lengths * (lengths + 1) // 2
 
 
+def _rollout_lengths(pack) -> torch.Tensor:
+    """Lengths of the distinct root-to-leaf rollouts, leaves in DFS preorder (CPU int64), cached."""
+    if "rollout_lengths" not in pack._cache:
+        leaves = _leaf_nodes(pack)
+        last = pack.node_end.cpu()[leaves] - 1
+        pack._cache["rollout_lengths"] = pack.position_ids[last.to(pack.device)].cpu().to(torch.int64) + 1
+    return pack._cache["rollout_lengths"]
+
+
 def rollout_pair_ratio(pack) -> float:
     """Pairs causal attention attends over the distinct root-to-leaf rollouts / pairs the tree attends.
 
     Equals the bench's ideal ratio (``flat_attended_pairs / attended_pairs``) when no rollout is a prefix
-    or a copy of another; otherwise it counts only what the flat backend computes. Cached on the pack.
+    or a copy of another; otherwise it counts only what the flat backend needs.
     """
-    if "rollout_pair_ratio" not in pack._cache:
-        leaves = _leaf_nodes(pack)
-        last = pack.node_end.cpu()[leaves] - 1
-        lengths = pack.position_ids[last.to(pack.device)].cpu() + 1
-        pack._cache["rollout_pair_ratio"] = int(_causal_pairs(lengths).sum()) / pack.attended_pairs()
-    return pack._cache["rollout_pair_ratio"]
+    return int(_causal_pairs(_rollout_lengths(pack)).sum()) / pack.attended_pairs()
+
+
+def flat_pair_ratio(pack) -> float:
+    """Pairs the flat backend computes (its padded batches, :func:`group_lengths`) / pairs the tree
+    attends: :func:`rollout_pair_ratio` plus the padding of rollouts of unequal length. Cached."""
+    if "flat_pair_ratio" not in pack._cache:
+        lengths = _rollout_lengths(pack).tolist()
+        padded = sum(len(g) * _causal_pairs(max(lengths[i] for i in g)) for g in group_lengths(lengths))
+        pack._cache["flat_pair_ratio"] = padded / pack.attended_pairs()
+    return pack._cache["flat_pair_ratio"]
 
 
 def prefers_flat(pack) -> bool:
     """True when the pack shares so little that flat attention per rollout beats the tree kernel."""
-    return rollout_pair_ratio(pack) < FLAT_BELOW_PAIR_RATIO
+    return flat_pair_ratio(pack) < FLAT_BELOW_PAIR_RATIO
 
 
 # ------------------------------------------------------------------------------------------------ plan
