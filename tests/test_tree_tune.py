@@ -6,11 +6,14 @@ import torch
 from treeattn_lab.bench import tree_tune
 from treeattn_lab.bench.tree import TreeCase
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
+
 
 def test_atomic_sweep_times_every_mode_and_matches_the_default_launch(monkeypatch):
     monkeypatch.setattr(tree_tune, "ATOMIC_DKDV_SHAPES", [(16, 32, 4, 1)])
     case = TreeCase("tiny", [list(range(20)), list(range(9)) + [50, 51, 52], [7] * 5])
-    rows = tree_tune.tune_case(case, heads=2, dim=16, device="cpu", dtype=torch.float32, passes=("atomic",))
+    rows = tree_tune.tune_case(case, heads=2, dim=16, device=DEVICE, dtype=torch.float32,
+                               passes=("atomic",))
     launch = (16, 32, 4, 1, False)
     assert [r["config"] for r in rows] == [(launch, "atomic"), (launch, "atomic-tma")]
     for row in rows:
@@ -21,4 +24,4 @@ def test_atomic_sweep_times_every_mode_and_matches_the_default_launch(monkeypatc
 def test_unknown_pass_is_refused():
     case = TreeCase("tiny", [[1, 2, 3]])
     with pytest.raises(ValueError, match="unknown tune passes"):
-        tree_tune.tune_case(case, heads=1, dim=16, device="cpu", dtype=torch.float32, passes=("dk",))
+        tree_tune.tune_case(case, heads=1, dim=16, device=DEVICE, dtype=torch.float32, passes=("dk",))
