@@ -275,6 +275,10 @@ def test_load_bench_results_and_summary():
     assert {t.name for t in fig.data if t.xaxis == "x2"} == {"flat", "flex", "triton"}
     with pytest.raises(FileNotFoundError):
         viz.load_bench_results("tree", "no-such-gpu")
+    auto = viz.draw_bench_summary(data["rows"], backends=("flat", "triton", "auto"))
+    assert {t.name for t in auto.data if t.xaxis == "x"} == {"triton", "auto", "ideal"}
+    with pytest.raises(ValueError, match="no rows for backends"):
+        viz.draw_bench_summary(data["rows"], backends=("flat", "cudnn"))
 
 
 def test_speed_sweep_grows_point_by_point():

@@ -647,13 +647,21 @@ def load_bench_results(bench: str = "tree", device: str = "NVIDIA-H200", directo
 BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "reference": "#72B7B2"}
 
 
-def draw_bench_summary(rows: Sequence[Mapping], *, title: str | None = None) -> go.Figure:
+def draw_bench_summary(rows: Sequence[Mapping], *, title: str | None = None,
+                       backends: Sequence[str] = ("flat", "flex", "triton")) -> go.Figure:
     """Two panels from ``bench tree`` rows: fwd+bwd speed-up over flat SDPA against the ideal ratio
-    (attended pairs flat / tree) per case, and forward TFLOP/s per backend (useful work only)."""
+    (attended pairs flat / tree) per case, and forward TFLOP/s per backend (useful work only).
+
+    ``backends``: which of the rows' backends to draw (default: the three kernels; a run may also hold
+    ``gather-flat``, ``varlen`` and ``auto`` rows)."""
     if not rows:
         raise ValueError("rows is empty")
+    present = set(r["backend"] for r in rows)
+    missing = [b for b in backends if b not in present]
+    if missing:
+        raise ValueError(f"no rows for backends {missing}; the rows hold {sorted(present)}")
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    backends = list(backends)
     by = {(r["case"], r["backend"]): r for r in rows}
     fig = make_subplots(
         rows=2,
