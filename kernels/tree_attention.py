@@ -46,17 +46,17 @@ query heads sharing that kv head (grouped-query attention), so dK and dV need no
 heads that grid is too small to fill the GPU (2 kv heads x 250 key tiles on 132 SMs), so the backward
 may instead *split the groups*: run the kernel per query head over K/V repeated to Hq heads, writing fp32
 partial dK/dV per query head, and sum each group afterwards. A second kernel owns a query tile and head
-and accumulates dQ over the forward schedule; it runs on a second CUDA stream beside the first, so its
-programs fill the SMs that the longest dK/dV programs (a prompt's key tile is seen by every query below
-it) leave idle at the end. ``delta`` comes from one small pass over O and dO first
-(``block_sparse.attention_delta``, shared with the sparse kernels).
+and accumulates dQ over the forward schedule. ``delta`` comes from one small pass over O and dO first
+(``block_sparse.attention_delta``, shared with the sparse kernels). Running the dQ kernel on a second
+CUDA stream beside the dK/dV kernel, to fill the SMs its longest programs leave idle, changed an H200
+step by -1.2% to +0.4% (medians of four alternating pairs, README): not kept.
 
 That is seven matrix products per tile pair where FlashAttention-3 does five: ``dq_config="atomic"``
 (or ``"atomic-tma"``: one TMA bulk reduce-add per tile) drops the dQ kernel and has the dK/dV kernel add
-each tile's ``dS K`` into an fp32 dQ with atomics. On an H200 it is within 3% of the two kernels either
-way (README): the larger kernel runs out of registers, which costs what the two products save. Launch
-order matters too: tiles go in DFS order, head by head, so that neighbouring programs share K/V rows in
-L2; launching the heaviest tiles first was 5-17% slower.
+each tile's ``dS K`` into an fp32 dQ with atomics. On an H200 it ran 3% faster to 5% slower than the
+two kernels, depending on the case (README): the larger kernel runs out of registers, which costs
+what the two products save. Launch order matters too: tiles go in DFS order, head by head, so that
+neighbouring programs share K/V rows in L2; launching the heaviest tiles first was 5-17% slower.
 
 Loading tiles: pointers or TMA
 ------------------------------
@@ -83,7 +83,6 @@ dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -508,16 +507,11 @@ def should_split_groups(T: int, hq: int, hkv: int, block_n: int, device: torch.d
     return triton.cdiv(T, block_n) * hkv < 4 * sms
 
 
-CONCURRENT_DQ = True  # run the dQ kernel on a second CUDA stream beside the dK/dV kernel
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One extra CUDA stream per device, made on first use, for the dQ kernel."""
-    key = torch.cuda.current_device() if device.index is None else device.index
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SIDE_STREAMS[key]
+def dq_reduce_by_tma(mode, dq: torch.Tensor) -> bool:
+    """Whether atomic dQ (``mode`` from :data:`ATOMIC_DQ_MODES`) adds its tiles with TMA bulk reduce-adds:
+    ``"atomic-tma"`` on a CUDA sm_90+ GPU with an aligned fp32 ``dq``. Triton's CPU interpreter has no
+    descriptor reduce-add, so there, as on older GPUs, ``"atomic-tma"`` runs the pointer atomics."""
+    return mode == "atomic-tma" and dq.device.type == "cuda" and tma_usable(dq)
 
 
 def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sched, dq_launch, scale,
@@ -529,8 +523,7 @@ def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sche
     atomic_dq = isinstance(dq_launch, str)
     if atomic_dq:  # accumulated by the dK/dV kernel; zeros first, scaled and cast at the end
         dq = torch.zeros((T, hq, d), device=q.device, dtype=torch.float32)
-        # Triton's CPU interpreter has no descriptor reduce-add: there "atomic-tma" runs pointer atomics
-        dq_tma = dq_launch == "atomic-tma" and dq.device.type == "cuda" and tma_usable(dq)
+        dq_tma = dq_reduce_by_tma(dq_launch, dq)
         if dq_tma:
             _ensure_scratch_allocator()
     else:
@@ -543,11 +536,6 @@ def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sche
     else:
         kk, vv = k, v
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # dQ does not depend on dK/dV: on a GPU its kernel runs on a second stream, so that its programs
-    # fill the SMs the dK/dV kernel's last (longest) programs leave idle, and the streams join at the end
-    side = _side_stream(q.device) if CONCURRENT_DQ and q.device.type == "cuda" and not atomic_dq else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))
     _tree_attn_bwd_dkdv[(triton.cdiv(T, dkdv_sched["block_n"]), kk.shape[1])](
         q, kk, vv, do, lse, delta, dk, dv, subtree_end, dkdv_sched["bwd_ptr"], dkdv_sched["bwd_idx"],
         T, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
@@ -556,20 +544,16 @@ def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sche
         **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // kk.shape[1], d, (q, do)), ATOMIC_DQ=atomic_dq,
         DQ_TMA=dq_tma,
     )
-    if atomic_dq:
-        dq = (dq * scale).to(q.dtype)
-    else:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _tree_attn_bwd_dq[(triton.cdiv(T, dq_sched["block_m"]), hq)](
-                q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
-                T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-                scale * LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d, (k, v)),
-            )
     if kk is not k:
         dk, dv = (x.view(T, hkv, hq // hkv, d).sum(2).to(k.dtype) for x in (dk, dv))
-    if side is not None:  # everything the dQ kernel read was allocated on, and is freed after, this join
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    if atomic_dq:
+        return dq.mul_(scale).to(q.dtype), dk, dv
+    _tree_attn_bwd_dq[(triton.cdiv(T, dq_sched["block_m"]), hq)](
+        q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
+        T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        scale * LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d, (k, v)),
+    )
     return dq, dk, dv
 
 
@@ -610,6 +594,9 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     :func:`tma_usable` allows, else the pointer loads run). With ``return_lse`` also returns the
     natural-log log-sum-exp ``[T, Hq]``. ``split_groups`` (None: :func:`should_split_groups` decides) runs
     the dK/dV kernel per query head instead of per kv head under grouped-query attention.
+    ``dq_config="atomic"`` or ``"atomic-tma"`` has the dK/dV kernel add dQ with fp32 atomics instead of
+    running the dQ kernel (:data:`ATOMIC_DQ_MODES`); the order of those additions varies from run to run,
+    so that dQ is not bitwise deterministic (the dQ kernel's is).
     """
     _check(q, k, v)
     d = q.shape[-1]

@@ -74,7 +74,7 @@ def test_kernel_matches_reference_fp16(seqs, seed):
 @pytest.mark.parametrize("split_groups", [False, True])
 @pytest.mark.parametrize("order", ["insertion", "size"])
 def test_prefix_sequences_single_token_nodes_and_awkward_length(order, split_groups):
-    # a rollout that is a prefix of another, single-token nodes, duplicates; T = 71 (not a tile multiple)
+    # a rollout that is a prefix of another, single-token nodes, duplicates; T = 49 (not a tile multiple)
     seqs = [list(range(30)), list(range(12)), list(range(12)) + [99], list(range(12)) + [99, 5],
             [7], [7, 8] + list(range(40, 55)), list(range(30))]
     pack = RolloutTrie.from_sequences(seqs).pack(order=order)
@@ -158,10 +158,22 @@ TMA_TILES = {"fwd_config": (32, 16, 4, 1, True), "dkdv_config": (16, 32, 4, 1, T
 
 
 def _awkward_pack():
-    # T = 71 (not a tile multiple), a prefix rollout, single-token nodes: ragged last tiles everywhere
+    # T = 49 (not a tile multiple), a prefix rollout, single-token nodes: ragged last tiles everywhere
     seqs = [list(range(30)), list(range(12)), list(range(12)) + [99], list(range(12)) + [99, 5],
             [7], [7, 8] + list(range(40, 55)), list(range(30))]
     return RolloutTrie.from_sequences(seqs).pack()
+
+
+def _shared_prompt_pack():
+    # a 70-token prompt under three answers (T = 97): key tiles every query of a tile sees, so the
+    # kernels' unmasked (full-tile) paths run, next to ragged ones
+    pack = RolloutTrie.from_sequences([list(range(70)) + [1000 + b] * (4 + 2 * b) for b in range(3)]).pack()
+    for bm, bn in ((16, 32), (32, 16)):
+        assert tile_schedule(pack.subtree_end, bm, bn)["full_tiles"] > 0
+    return pack
+
+
+PACKS = {"awkward": _awkward_pack, "shared prompt": _shared_prompt_pack}
 
 
 def _run(pack, inputs, do, tiles, split_groups, seen=None):
@@ -180,11 +192,12 @@ def _run(pack, inputs, do, tiles, split_groups, seen=None):
     return [out.detach().cpu()] + [x.grad.cpu() for x in leaves]
 
 
+@pytest.mark.parametrize("pack_kind", sorted(PACKS))
 @pytest.mark.parametrize(("dtype", "split_groups"), [(torch.float32, False), (torch.float16, True)])
-def test_tma_loads_match_pointer_loads_and_reference(dtype, split_groups):
+def test_tma_loads_match_pointer_loads_and_reference(dtype, split_groups, pack_kind):
     # every kernel through tensor descriptors (emulated by the interpreter on CPU, Hopper's TMA on an
     # sm_90 GPU): the same numbers as the pointer loads, and the float64 reference
-    pack = _awkward_pack()
+    pack = PACKS[pack_kind]()
     gen = torch.Generator().manual_seed(11)
     T = pack.num_tokens
     inputs = [torch.randn(T, h, 16, generator=gen).to(dtype) for h in (4, 2, 2)]
@@ -202,26 +215,37 @@ def test_tma_loads_match_pointer_loads_and_reference(dtype, split_groups):
     _check(pack, hq=4, hkv=2, d=16, dtype=dtype, seed=12, tiles=TMA_TILES, split_groups=split_groups)
 
 
+@pytest.mark.parametrize("pack_kind", sorted(PACKS))
 @pytest.mark.parametrize("mode", ["atomic", "atomic-tma"])
-@pytest.mark.parametrize(("dtype", "split_groups"), [(torch.float32, False), (torch.float32, True),
-                                                     (torch.float16, False)])
-def test_atomic_dq_matches_dq_kernel_and_reference(mode, dtype, split_groups):
-    # dQ added tile by tile into fp32 by the dK/dV kernel (pointer atomics or TMA bulk reduce-adds),
-    # ragged last tiles included: the same gradients as the dQ kernel, and the float64 reference
-    pack = _awkward_pack()
+@pytest.mark.parametrize(("dtype", "split_groups", "heads", "dkdv_tma"), [
+    (torch.float32, False, (4, 2), False), (torch.float32, True, (4, 2), False),
+    (torch.float16, True, (4, 2), True), (torch.float16, False, (2, 2), False)])
+def test_atomic_dq_matches_dq_kernel_and_reference(mode, dtype, split_groups, heads, dkdv_tma, pack_kind):
+    # dQ added tile by tile into fp32 by the dK/dV kernel (pointer atomics or TMA bulk reduce-adds), on
+    # full tiles and ragged last ones: the same gradients as the dQ kernel, and the float64 reference
+    pack = PACKS[pack_kind]()
     gen = torch.Generator().manual_seed(21)
     T = pack.num_tokens
-    inputs = [torch.randn(T, h, 16, generator=gen).to(dtype) for h in (4, 2, 2)]
-    do = torch.randn(T, 4, 16, generator=gen).to(dtype)
-    tiles = {"fwd_config": (16, 16, 4, 1), "dkdv_config": (32, 16, 4, 1)}
+    hq, hkv = heads
+    inputs = [torch.randn(T, h, 16, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
+    do = torch.randn(T, hq, 16, generator=gen).to(dtype)
+    tiles = {"fwd_config": (16, 16, 4, 1), "dkdv_config": (32, 16, 4, 1, dkdv_tma)}
     atomic = _run(pack, inputs, do, {**tiles, "dq_config": mode}, split_groups)
     kernel = _run(pack, inputs, do, {**tiles, "dq_config": (32, 16, 4, 1)}, split_groups)
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     for got, want, name in zip(atomic, kernel, ["out", "dq", "dk", "dv"], strict=True):
         assert torch.isfinite(got).all(), name
         torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name}: atomic dQ != dQ kernel")
-    _check(pack, hq=4, hkv=2, d=16, dtype=dtype, seed=22, tiles={**tiles, "dq_config": mode},
+    _check(pack, hq=hq, hkv=hkv, d=16, dtype=dtype, seed=22, tiles={**tiles, "dq_config": mode},
            split_groups=split_groups)
+
+
+def test_atomic_tma_reduces_through_tma_exactly_where_the_hardware_can():
+    x = torch.zeros(64, 2, 16, dtype=torch.float32, device=DEVICE)
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert kernel_module.dq_reduce_by_tma("atomic-tma", x) == hopper  # never under the CPU interpreter
+    assert not kernel_module.dq_reduce_by_tma("atomic", x)
+    assert not kernel_module.dq_reduce_by_tma("atomic-tma", x[:, :, 1:])  # rows not 16-byte aligned
 
 
 def test_tma_falls_back_to_pointer_loads_on_unaligned_rows():

@@ -25,3 +25,9 @@ def test_unknown_pass_is_refused():
     case = TreeCase("tiny", [[1, 2, 3]])
     with pytest.raises(ValueError, match="unknown tune passes"):
         tree_tune.tune_case(case, heads=1, dim=16, device=DEVICE, dtype=torch.float32, passes=("dk",))
+
+
+def test_passes_option_is_checked_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        tree_tune.main(["--passes", "fwd,bogus"])
+    assert "unknown tune passes ['bogus']" in capsys.readouterr().err  # argparse's error, not "needs a GPU"

@@ -50,7 +50,8 @@ def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 def atomic_candidates(shapes=None) -> list[tuple]:
-    """``(dkdv_config, dq_mode)`` pairs: every dK/dV shape (pointer loads) with each atomic dQ mode."""
+    """``(dkdv_config, dq_mode)`` pairs: every dK/dV shape with each atomic dQ mode. The dK/dV tiles load
+    through pointers whatever ``--loads`` says (with TMA loads these shapes spill hundreds of bytes)."""
     from ..kernels.tree_attention import ATOMIC_DQ_MODES
 
     return [((*shape, False), mode) for mode in ATOMIC_DQ_MODES for shape in shapes or ATOMIC_DKDV_SHAPES]
@@ -86,6 +87,7 @@ def tune_case(case, heads: int, dim: int, loads: str = "both", device: str = "cu
     """
     from ..kernels.tree_attention import tma_usable, triton_tree_attention
 
+    passes = tuple(passes.split(",")) if isinstance(passes, str) else tuple(passes)
     unknown = set(passes) - set(PASSES)
     if unknown:
         raise ValueError(f"unknown tune passes {sorted(unknown)}; choose from {PASSES}")
@@ -160,13 +162,21 @@ def load_path_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _passes(text: str) -> tuple[str, ...]:
+    passes = tuple(text.split(","))
+    unknown = sorted(set(passes) - set(PASSES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown tune passes {unknown}; choose from {','.join(PASSES)}")
+    return passes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab bench tree-tune", description=__doc__)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--loads", choices=sorted(LOADS), default="both",
                         help="tile loads to sweep: pointer, tma (sm_90+) or both (default)")
-    parser.add_argument("--passes", default=",".join(PASSES),
+    parser.add_argument("--passes", default=",".join(PASSES), type=_passes,
                         help=f"comma-separated sweeps to run, of {','.join(PASSES)} (default: all)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return listed, path
 
     for case in tqdm(research_cases(), desc="tune", unit="case"):
-        rows += tune_case(case, args.heads, args.dim, args.loads, passes=tuple(args.passes.split(",")))
+        rows += tune_case(case, args.heads, args.dim, args.loads, passes=args.passes)
         listed, path = save()
     columns = [("case", "case"), ("pass", "pass"), ("config", "(BM, BN, warps, stages, tma)"), ("ms", "ms"),
                ("tflops", "TFLOP/s"), ("err", "rel err"), ("error", "error")]

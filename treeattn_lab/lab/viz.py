@@ -648,15 +648,17 @@ BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "re
 
 
 def draw_bench_summary(rows: Sequence[Mapping], *, title: str | None = None,
-                       backends: Sequence[str] = ("flat", "flex", "triton")) -> go.Figure:
+                       backends: Sequence[str] | None = None) -> go.Figure:
     """Two panels from ``bench tree`` rows: fwd+bwd speed-up over flat SDPA against the ideal ratio
     (attended pairs flat / tree) per case, and forward TFLOP/s per backend (useful work only).
 
-    ``backends``: which of the rows' backends to draw (default: the three kernels; a run may also hold
-    ``gather-flat``, ``varlen`` and ``auto`` rows)."""
+    ``backends``: which of the rows' backends to draw (default: those of flat, flex and triton the rows
+    hold; a run may also hold ``gather-flat``, ``varlen`` and ``auto`` rows)."""
     if not rows:
         raise ValueError("rows is empty")
     present = set(r["backend"] for r in rows)
+    if backends is None:
+        backends = [b for b in ("flat", "flex", "triton") if b in present]
     missing = [b for b in backends if b not in present]
     if missing:
         raise ValueError(f"no rows for backends {missing}; the rows hold {sorted(present)}")

@@ -4,9 +4,10 @@ Why
 ---
 Tree attention saves the (query, key) pairs that flat attention repeats on shared prefixes; the saving
 is the *ideal ratio* ``flat pairs / tree pairs``. A tree kernel pays for it with a lower speed per pair
-than FlashAttention (on an H200 the lab's Triton kernel runs 0.59-0.68x flash's useful TFLOP/s
-forward+backward), so when the ratio is close to 1 the tree is slower than simply running every
-rollout flat. This backend does exactly that, from the packed layout, with exact results and gradients.
+than FlashAttention (on an H200 the lab's Triton kernel runs 0.68-0.79x flash's useful TFLOP/s
+forward+backward on the research cases), so when the ratio is close to 1 the tree is slower than simply
+running every rollout flat. This backend does exactly that, from the packed layout, with exact results
+and gradients.
 
 How
 ---
@@ -63,7 +64,7 @@ __all__ = [
 # tree__NVIDIA-H200__*.json, bf16, 16 heads x 128, forward + backward), the Triton kernel's time per tree
 # pair over the gathered-flat backend's time per padded pair is 1.12 on the low-sharing case (31.0 vs
 # 27.9 ms at ratio 1.01) and 1.06 on data:low_sharing (19.7 vs 19.5 ms at 1.05): flat wins below about
-# 1.1. Above it the kernel won every case: data:grpo_math (padded ratio 1.22: 7.9 vs 10.4 ms; its
+# 1.1. Above it the kernel won every case: data:grpo_math (padded ratio 1.21: 7.9 vs 10.4 ms; its
 # rollout ratio, 1.09, had sent it flat before the padding was counted), data:tree_search (1.32), the
 # sharing cases (1.71-3.67) and data:agentic (2.44). Re-derive from the "gather-flat" and "triton" rows
 # of ``python -m treeattn_lab bench tree``.
