@@ -1,8 +1,7 @@
 """How much attention mass does an estimated vertical-slash pattern keep on a trained TinyLM?
 
-The question (issue 7's last target): "recall of attention mass >= 0.95 at the default budget on the
-trained TinyLM's heads". Notebook 05 answers it on one validation window; the numbers move with the
-window and with training, so this script measures it properly:
+Notebook 05 looks at one validation window; recall moves with the window and with training, so this
+experiment measures it over many windows of a model trained for longer:
 
 1. Train notebook 05's full-mode model: a 2-layer :class:`~treeattn_lab.reference.TinyLM` (dim 128,
    4 query heads over 2 key/value heads, head dim 32) on random 512-byte windows of the corpus' train split
