@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from treeattn_lab.lab import monitor as monitor_module
 from treeattn_lab.lab.monitor import LiveMonitor, in_notebook
+from treeattn_lab.lab.monitor import live as monitor_live
 
 
 def _monitor_threads() -> list[threading.Thread]:
@@ -135,7 +135,7 @@ def test_sampler_errors_are_reported_not_lost(monkeypatch):
             raise OSError("no /proc here")
         return 2**20
 
-    monkeypatch.setattr(monitor_module, "host_rss_bytes", flaky_rss)
+    monkeypatch.setattr(monitor_live, "host_rss_bytes", flaky_rss)  # where the sampler looks it up
     mon = LiveMonitor(hz=50, display="none").start()
     time.sleep(0.1)
     mon.stop()  # the final sample fails too: noted, not raised

@@ -1,159 +1,28 @@
-"""LiveMonitor: watch memory and per-step latency while work runs, live in a notebook.
+"""The :class:`LiveMonitor` context manager: a sampling thread, step latencies, numbers and a summary.
 
-    from treeattn_lab.lab.monitor import LiveMonitor
-
-    with LiveMonitor(title="tree attention") as mon:
-        for i in range(8):
-            out = tree_attention(q, k, v, pack)
-            mon.lap(label=f"step {i}")        # the time since the last step (CUDA synchronised first)
-        # or, with a latency measured elsewhere: mon.step(latency_ms=time_ms(fn), label="triton")
-
-What it records
-    *Samples*, taken by a background thread ``hz`` times a second (15 by default) into a bounded history:
-    for every GPU the memory the caching allocator has handed out to tensors (``allocated``), the memory
-    it holds from the driver (``reserved``) and the highest ``allocated`` so far (``peak``, reset when the
-    monitor starts), plus the GPU's utilisation through NVML where ``pynvml`` (``nvidia-ml-py``) is
-    importable; and the resident memory of this process on the host (RSS, through ``psutil``).
-    *Steps*: one latency per :meth:`LiveMonitor.step` or :meth:`LiveMonitor.lap` call, with a label.
-
-Where it shows them
-    Inside a Jupyter kernel: a plotly ``FigureWidget`` with two panels, memory over time and latency per
-    step. The sampling thread redraws it every ``refresh_s`` seconds, so it stays live even while the
-    main thread is stuck in one long call; it is drawn once more, complete, on exit. Elsewhere (a script,
-    a terminal, pytest) a short text summary is printed on exit. ``display="none"`` shows nothing; the
-    histories stay readable through :attr:`samples`, :attr:`steps`, :meth:`stats` and :meth:`summary`.
-
-Threads
-    The sampler is a daemon thread, started on entry and always joined on exit, also when the body
-    raises. It and :meth:`step` share the histories through a lock. Only one thread ever writes to the
-    figure: the sampler while the block runs, the main thread after the sampler has been joined.
-    Reading the allocator's counters never initialises CUDA; a GPU the process has not touched reads 0.
-
-Nothing here needs a GPU, plotly or NVML: without them the monitor records what it can and says so.
+See :mod:`treeattn_lab.lab.monitor` for what it records, where it shows it and how its threads share the
+histories; the figure is built in :mod:`.figure`.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import statistics
-import sys
 import threading
 import time
-import warnings
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_int
+from ...checks import check_int
+from .figure import fill_figure, history_columns, monitor_figure
+from .probes import check_devices, check_number, gpu_name, host_rss_bytes, in_notebook, nvml_utilization
+from .records import GpuSample, Sample, Step
 
 MIB = 2**20
 DISPLAYS = ("auto", "widget", "text", "none")
-GPU_COLORS = ("#4C78A8", "#E45756", "#54A24B", "#F58518", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D")
-HOST_COLOR = "#888888"
 
 
-# ---------------------------------------------------------------------------------------- records
-@dataclass(frozen=True)
-class GpuSample:
-    """One GPU at one instant. Memory in MiB; ``utilization`` in percent, None without NVML."""
-
-    device: int
-    allocated_mib: float
-    reserved_mib: float
-    peak_mib: float
-    utilization: float | None
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One tick of the sampling thread: seconds since the monitor started, host RSS (MiB), each GPU."""
-
-    t_s: float
-    rss_mib: float | None
-    gpus: tuple[GpuSample, ...]
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step: its number (counting from 0 since the start), when it ended, its latency, its label."""
-
-    index: int
-    t_s: float
-    latency_ms: float
-    label: str | None
-
-
-# ---------------------------------------------------------------------------------------- probes
-def in_notebook() -> bool:
-    """True inside a Jupyter kernel (JupyterLab, nbclient), False in a script or a terminal IPython."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    shell = ipython.get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
-def host_rss_bytes() -> int | None:
-    """Resident memory of this process (psutil; ``/proc/self/statm`` where psutil is missing)."""
-    try:
-        import psutil
-    except ImportError:
-        try:
-            with open("/proc/self/statm") as f:
-                import os
-
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError, AttributeError):
-            return None
-    return psutil.Process().memory_info().rss
-
-
-def nvml_utilization(device: int) -> float:
-    """GPU utilisation in percent through NVML (``torch.cuda.utilization``, which maps the device index
-    through ``CUDA_VISIBLE_DEVICES``); raises when pynvml or the driver is missing."""
-    with warnings.catch_warnings():  # the deprecated "pynvml" package warns on import
-        warnings.simplefilter("ignore")
-        return float(torch.cuda.utilization(device))
-
-
-def _gpu_name(device: int) -> str:
-    """`` <name>`` of a GPU, or nothing while CUDA is uninitialised (asking would initialise it)."""
-    return f" {torch.cuda.get_device_name(device)}" if torch.cuda.is_initialized() else ""
-
-
-def _check_number(name: str, value, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not lo <= value <= hi or not math.isfinite(value):  # also rejects NaN and infinities
-        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
-    return value
-
-
-def _check_devices(devices) -> list[int]:
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if devices == "auto":
-        return list(range(count))
-    if devices is None:
-        return []
-    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
-        raise TypeError(f"devices must be 'auto', None or a list of GPU indices, got {devices!r}")
-    out = []
-    for d in devices:
-        if isinstance(d, bool) or not isinstance(d, numbers.Integral):
-            raise TypeError(f"devices must hold GPU indices (ints), got {d!r}")
-        if not 0 <= d < count:
-            raise ValueError(f"GPU {d} does not exist here ({count} CUDA device(s) visible)")
-        out.append(int(d))
-    if len(set(out)) != len(out):
-        raise ValueError(f"devices lists a GPU twice: {out}")
-    return out
-
-
-# ---------------------------------------------------------------------------------------- monitor
 class LiveMonitor:
     """Context manager that samples memory in a background thread and collects per-step latencies.
 
@@ -191,12 +60,12 @@ class LiveMonitor:
         if not isinstance(reset_peak, bool):
             raise TypeError(f"reset_peak must be a bool, got {type(reset_peak).__name__}")
         self.title = title
-        self.hz = _check_number("hz", hz, 1.0, 50.0)
+        self.hz = check_number("hz", hz, 1.0, 50.0)
         self.max_samples = check_int("max_samples", max_samples, minimum=2)
         self.max_steps = check_int("max_steps", max_steps, minimum=1)
-        self.refresh_s = _check_number("refresh_s", refresh_s, 0.1, 3600.0)
+        self.refresh_s = check_number("refresh_s", refresh_s, 0.1, 3600.0)
         self.display = display
-        self.devices = _check_devices(devices)
+        self.devices = check_devices(devices)
         self.reset_peak = reset_peak
 
         self._lock = threading.Lock()
@@ -252,7 +121,7 @@ class LiveMonitor:
         self._probe_devices()
         self._mode = self._choose_mode()
         self._stop_event.clear()
-        if self._mode == "widget":  # the first figure of a session imports plotly: seconds, not measured
+        if self._mode == "widget":  # drawn before the clock starts: building it is not the body's time
             from IPython.display import display
 
             self._figure = self.figure(widget=True)
@@ -374,7 +243,7 @@ class LiveMonitor:
 
         Usable as a callback: ``on_step=mon.step``. Returns the recorded :class:`Step`.
         """
-        latency_ms = _check_number("latency_ms", latency_ms, 0.0, math.inf)
+        latency_ms = check_number("latency_ms", latency_ms, 0.0, math.inf)
         if label is not None and not isinstance(label, str):
             raise TypeError(f"label must be a str or None, got {type(label).__name__}")
         if not self.running:
@@ -482,7 +351,7 @@ class LiveMonitor:
         mx, first, last = s["maxima_mib"], s["first_mib"], s["last_mib"]
         for d in self.devices:
             line = (
-                f"  cuda:{d}{_gpu_name(d)}: allocated {first[f'allocated:{d}']:,.0f} -> "
+                f"  cuda:{d}{gpu_name(d)}: allocated {first[f'allocated:{d}']:,.0f} -> "
                 f"{last.get(f'allocated:{d}', 0.0):,.0f} MiB (max {mx[f'allocated:{d}']:,.0f}), "
                 f"peak allocated {mx[f'peak:{d}']:,.0f} MiB, reserved max {mx[f'reserved:{d}']:,.0f} MiB"
             )
@@ -505,127 +374,15 @@ class LiveMonitor:
 
         ``widget=True`` returns a ``go.FigureWidget`` (needs anywidget), else a ``go.Figure``.
         """
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-
-        fig = make_subplots(
-            rows=2,
-            cols=1,
-            specs=[[{"secondary_y": True}], [{}]],
-            vertical_spacing=0.14,
-            subplot_titles=("memory over time (seconds since start)", "latency per step"),
-        )
-        line = "lines"
-        for i, d in enumerate(self.devices):
-            color = GPU_COLORS[i % len(GPU_COLORS)]
-            for kind, dash in (("allocated", "solid"), ("reserved", "dash"), ("peak", "dot")):
-                fig.add_trace(
-                    go.Scatter(
-                        x=[],
-                        y=[],
-                        mode=line,
-                        name=f"cuda:{d} {kind}",
-                        meta=f"{kind}:{d}",
-                        line=dict(color=color, dash=dash),
-                        hovertemplate=f"cuda:{d} {kind}: %{{y:,.0f}} MiB at %{{x:.2f}} s<extra></extra>",
-                    ),
-                    row=1,
-                    col=1,
-                    secondary_y=False,
-                )
-            if self._nvml:
-                fig.add_trace(
-                    go.Scatter(
-                        x=[],
-                        y=[],
-                        mode=line,
-                        name=f"cuda:{d} utilisation",
-                        meta=f"util:{d}",
-                        line=dict(color=color, width=1),
-                        opacity=0.4,
-                        hovertemplate=f"cuda:{d} utilisation: %{{y:.0f}}% at %{{x:.2f}} s<extra></extra>",
-                    ),
-                    row=1,
-                    col=1,
-                    secondary_y=True,
-                )
-        fig.add_trace(
-            go.Scatter(
-                x=[],
-                y=[],
-                mode=line,
-                name="host RSS",
-                meta="rss",
-                line=dict(color=HOST_COLOR),
-                hovertemplate="host RSS: %{y:,.0f} MiB at %{x:.2f} s<extra></extra>",
-            ),
-            row=1,
-            col=1,
-            secondary_y=False,
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=[],
-                y=[],
-                mode="lines+markers",
-                name="step latency",
-                meta="latency",
-                line=dict(color="#333333"),
-                marker=dict(size=6),
-                showlegend=False,
-                hovertemplate="step %{x}: %{y:.3g} ms<br>%{text}<extra></extra>",
-            ),
-            row=2,
-            col=1,
-        )
-        fig.update_layout(
-            title=dict(text=self.title),
-            template="plotly_white",
-            height=520,
-            margin=dict(l=60, r=60, t=80, b=50),
-            legend=dict(orientation="h", y=-0.14),
-            uirevision="live",  # redraws keep the user's zoom
-        )
-        fig.update_yaxes(title="MiB", rangemode="tozero", row=1, col=1, secondary_y=False)
-        if self._nvml:
-            fig.update_yaxes(title="utilisation %", range=[0, 100], row=1, col=1, secondary_y=True)
-        fig.update_xaxes(title="step", row=2, col=1)
-        fig.update_yaxes(title="ms", rangemode="tozero", row=2, col=1)
-        if widget:
-            fig = go.FigureWidget(fig)
+        fig = monitor_figure(self.title, self.devices, self._nvml, widget=widget)
         self._fill(fig)
         return fig
 
-    def _columns(self) -> dict[str, tuple[list, list, list | None]]:
-        """The histories as plot columns ``{trace meta: (x, y, hover text)}``."""
+    def _fill(self, fig) -> None:
         with self._lock:
             samples, steps = list(self._samples), list(self._steps)
-        t = [s.t_s for s in samples]
-        cols: dict[str, tuple[list, list, list | None]] = {
-            "rss": (t, [s.rss_mib for s in samples], None),
-            "latency": (
-                [s.index for s in steps],
-                [s.latency_ms for s in steps],
-                [s.label or "" for s in steps],
-            ),
-        }
-        for j, d in enumerate(self.devices):
-            cols[f"allocated:{d}"] = (t, [s.gpus[j].allocated_mib for s in samples], None)
-            cols[f"reserved:{d}"] = (t, [s.gpus[j].reserved_mib for s in samples], None)
-            cols[f"peak:{d}"] = (t, [s.gpus[j].peak_mib for s in samples], None)
-            cols[f"util:{d}"] = (t, [s.gpus[j].utilization for s in samples], None)
-        return cols
-
-    def _fill(self, fig) -> None:
-        cols = self._columns()
         head = self._headline(self.stats())
-        with fig.batch_update():
-            for trace in fig.data:
-                x, y, text = cols[trace.meta]
-                trace.x, trace.y = x, y
-                if text is not None:
-                    trace.text = text
-            fig.layout.title.text = f"{self.title}<br><sup>{head}</sup>"
+        fill_figure(fig, history_columns(samples, steps, self.devices), f"{self.title}<br><sup>{head}</sup>")
 
     def _redraw(self) -> None:
         try:
@@ -635,4 +392,5 @@ class LiveMonitor:
             self._notes.append(f"live redraw stopped ({type(e).__name__}: {str(e)[:80]})")
 
 
-__all__ = ["GpuSample", "LiveMonitor", "Sample", "Step", "host_rss_bytes", "in_notebook"]
+
+__all__ = ["LiveMonitor"]
