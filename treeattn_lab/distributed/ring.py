@@ -116,7 +116,7 @@ class TritonStep:
 
     @staticmethod
     def delta(o, do):
-        from ..kernels.block_sparse import attention_delta
+        from ..kernels.attention_core import attention_delta
 
         return attention_delta(o, do)
 
