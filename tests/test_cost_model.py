@@ -16,14 +16,9 @@ from treeattn_lab.datasets import load_trie
 from treeattn_lab.distributed.balance import BEST, EngineCost, balance
 from treeattn_lab.distributed.train import predicted_for_modes_run, refine_cost_model
 from treeattn_lab.engine import CostModel, MicroBatchShape, plan_micro_batches
-from treeattn_lab.engine.cost_model import (
-    COND_LIMIT,
-    MAX_PLAUSIBLE_FLOPS,
-    MODES,
-    calibration_tries,
-    fit_time,
-    model_work,
-)
+from treeattn_lab.engine.calibration import calibration_tries
+from treeattn_lab.engine.cost_model import MAX_PLAUSIBLE_FLOPS, MODES, fit_time, model_work
+from treeattn_lab.engine.nnls import COND_LIMIT
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
 # the FLOPs of the 0.49B model of `bench train` (model_work of its TinyLM)

@@ -25,7 +25,7 @@ from treeattn_lab.engine import (
     plan_micro_batches,
     tree_backward,
 )
-from treeattn_lab.engine.cost_model import nnls
+from treeattn_lab.engine.nnls import nnls
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
 VOCAB = 50

@@ -17,14 +17,10 @@ of sibling branches never see each other. That single int32 vector replaces a T 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from .patterns.tree import tree_visibility
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .trie import RolloutTrie
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,7 +47,13 @@ class TreePack:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_trie(cls, trie: RolloutTrie, order: str = "insertion") -> TreePack:
+    def from_trie(cls, trie, order: str = "insertion") -> TreePack:
+        """Pack ``trie`` (a :class:`~treeattn_lab.trie.RolloutTrie`) in DFS preorder.
+
+        ``order`` is the sibling order of :meth:`RolloutTrie.preorder`. The pack reads the trie's nodes
+        (tokens, parent, depth), its preorder and its sequences, and imports nothing of ``trie.py``: the
+        data model's imports run one way, ``trie.py`` -> ``pack.py``.
+        """
         order_ids = trie.preorder(order)
         n_nodes = len(trie.nodes)
         node_start = [0] * n_nodes

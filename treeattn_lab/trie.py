@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .pack import TreePack
+
 if TYPE_CHECKING:  # pragma: no cover
     import networkx
-
-    from .pack import TreePack
 
 ROOT = 0
 _FORMAT = "treeattn_lab.RolloutTrie"
@@ -233,8 +233,6 @@ class RolloutTrie:
     # ------------------------------------------------------------------ conversions
     def pack(self, order: str = "insertion") -> TreePack:
         """Pack the trie in DFS preorder: every tree token stored once (see :class:`TreePack`)."""
-        from .pack import TreePack
-
         return TreePack.from_trie(self, order=order)
 
     def to_networkx(self, preview_tokens: int = 8) -> networkx.DiGraph:

@@ -4,11 +4,13 @@
 - ``adapters.py``: the model door (TinyLM, Hugging Face causal LMs); ``attention.py``: the attentions it
   hands the model; ``loss_plan.py``: the loss written once per tree token.
 - ``microbatch.py``: dynamic micro-batching; ``modes.py`` and ``dfs.py``: flat, packed and DFS runs;
-  ``cost_model.py``: predicted time and memory per mode, NNLS calibration, the ``"auto"`` choice.
+  ``cost_model.py``: predicted time and memory per mode, their fit and the ``"auto"`` choice;
+  ``calibration.py``: the measurements it is fitted on; ``nnls.py``: the non-negative least squares solver.
 """
 
 from .adapters import adapt
-from .cost_model import CostModel, MicroBatchShape, calibrate
+from .calibration import calibrate
+from .cost_model import CostModel, MicroBatchShape
 from .microbatch import MicroBatch, plan_micro_batches
 from .modes import MODES
 from .tree_backward import TreeBackwardReport, TreeBackwardResult, tree_backward

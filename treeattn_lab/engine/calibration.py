@@ -1,0 +1,242 @@
+"""Calibration: time every engine mode on synthetic tries on this device and fit a :class:`CostModel`.
+
+:func:`calibrate` measures :func:`calibration_tries`, synthetic tries built at the scale the engine runs:
+their tree tokens reach the token budget, their rollouts are as long as RL rollouts (1/64 to 1/4 of the
+budget), their sharing runs from a 5% to an 85% common prefix, with one to three levels of forks. Scale
+matters because a model call costs the larger of its host and device time (see
+:mod:`treeattn_lab.engine.cost_model`): tries far below the budget measure host-bound calls and say
+little about budget-sized ones. The tries are measured in the order of :data:`CALIBRATION_DESIGN`, which
+puts first the tries that fill the budget and differ most, so a calibration cut short by its time limit
+still spans tokens, pairs per token and model calls.
+
+The fitted model is cached on disk per model architecture, device and engine settings (:func:`cache_path`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ..trie import RolloutTrie
+from .adapters import adapt
+from .cost_model import MODES, CostModel, MicroBatchShape, model_work
+from .tree_backward import tree_backward
+
+CALIBRATION_VERSION = 2  # part of the cache key: calibrations of older designs are not reused
+
+
+def _device_label(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _scale(token_budget: int | None, scale_tokens: int | None) -> int:
+    """Tree tokens of the largest calibration trie: ``scale_tokens``, else the budget, else 4096; never
+    above the budget (each trie must be one micro-batch)."""
+    scale = int(scale_tokens or token_budget or 4096)
+    return min(scale, token_budget) if token_budget else scale
+
+
+def cache_path(
+    model, block_tokens: int, token_budget: int | None = None, scale_tokens: int | None = None
+) -> Path:
+    """Where a calibration is cached: per model architecture (class, parameter shapes and dtype), device,
+    engine settings, calibration design version and torch version."""
+    first = next(model.parameters())
+    shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
+    arch = hashlib.sha256(f"{type(model).__name__}|{shapes}".encode()).hexdigest()[:16]
+    key = f"{type(model).__name__}-{arch}-{first.dtype}-{_device_label(first.device)}"
+    key += f"-block{block_tokens}-budget{token_budget}-scale{_scale(token_budget, scale_tokens)}"
+    key += f"-v{CALIBRATION_VERSION}-torch{torch.__version__}"
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
+    root = Path(os.environ.get("TREEATTN_CACHE", Path.home() / ".cache" / "treeattn_lab"))
+    return root / "cost_models" / f"{safe}.json"
+
+
+def branching_trie(
+    rng: random.Random, vocab: int, prompts: int, prompt_len: int, levels: list[tuple[int, int]]
+) -> RolloutTrie:
+    """``prompts`` random prompts of ``prompt_len`` tokens, each forking ``levels`` deep: at level j every
+    node gets ``fanout_j`` children of ``uniform(0.5, 1) x segment_j`` random tokens. The leaves are the
+    rollouts (``prod(fanouts)`` per prompt)."""
+    seqs = []
+
+    def grow(prefix: list[int], depth: int) -> None:
+        if depth == len(levels):
+            seqs.append(prefix)
+            return
+        fanout, segment = levels[depth]
+        for _ in range(fanout):
+            n = max(1, int(segment * rng.uniform(0.5, 1.0)))
+            grow(prefix + [rng.randrange(vocab) for _ in range(n)], depth + 1)
+
+    for _ in range(prompts):
+        grow([rng.randrange(vocab) for _ in range(prompt_len)], 0)
+    return RolloutTrie.from_sequences(seqs)
+
+
+def synthetic_trie(
+    rng: random.Random, vocab: int, prompts: int, samples: int, prompt_len: int, response_len: int
+) -> RolloutTrie:
+    """``prompts`` prompts each sampled ``samples`` times: a GRPO-shaped trie of random tokens."""
+    return branching_trie(rng, vocab, prompts, prompt_len, [(samples, response_len)])
+
+
+# (name, tree tokens / scale, rollout length / scale, shared prompt / rollout length, fan-out per level),
+# measured in this order: the first tries fill the budget and differ most, so a calibration cut short by
+# its time limit still spans tokens, pairs per token and model calls
+CALIBRATION_DESIGN = (
+    ("grpo", 1.0, 1 / 32, 0.3, (8,)),
+    ("agentic", 1.0, 1 / 4, 0.6, (2, 3)),
+    ("small-grpo", 0.3, 1 / 32, 0.3, (8,)),
+    ("low-sharing", 0.95, 1 / 16, 0.05, (2,)),
+    ("tree-search", 0.9, 1 / 16, 0.4, (4, 4)),
+    ("short", 0.5, 1 / 64, 0.5, (16,)),
+    ("high-sharing", 0.6, 1 / 8, 0.85, (8,)),
+    ("long", 0.4, 1 / 4, 0.1, (2,)),
+    ("multi-turn", 0.8, 1 / 4, 0.4, (2, 2, 2)),
+)
+
+
+def _expected_tree_tokens(prompt_len: int, levels: list[tuple[int, int]]) -> float:
+    total, nodes = float(prompt_len), 1
+    for fanout, segment in levels:
+        nodes *= fanout
+        total += nodes * 0.75 * segment  # segments are uniform(0.5, 1) x segment long
+    return total
+
+
+def calibration_tries(
+    scale_tokens: int,
+    *,
+    vocab: int,
+    seed: int = 0,
+    max_length: int | None = None,
+    design=CALIBRATION_DESIGN,
+) -> list[tuple[str, RolloutTrie]]:
+    """The synthetic tries :func:`calibrate` measures, in order: one per row of ``design``, with at most
+    ``scale_tokens`` tree tokens each (one micro-batch under a budget of ``scale_tokens``) and rollouts
+    of at most ``max_length`` tokens."""
+    rng = random.Random(seed)
+    out = []
+    for name, fill, length_frac, shared, fanouts in design:
+        length = max(2, int(scale_tokens * length_frac))
+        if max_length is not None:
+            length = max(2, min(length, max_length))
+        prompt_len = max(1, int(length * shared))
+        segment = max(1, (length - prompt_len) // len(fanouts))
+        levels = [(f, segment) for f in fanouts]
+        prompts = max(1, round(fill * scale_tokens / _expected_tree_tokens(prompt_len, levels)))
+        while True:
+            trie = branching_trie(rng, vocab, prompts, prompt_len, levels)
+            if sum(len(n.tokens) for n in trie.nodes) <= scale_tokens:
+                break
+            forked = [j for j, (f, _) in enumerate(levels) if f > 1]
+            if prompts > 1:  # shrink until one micro-batch: fewer prompts, then fewer forks, then shorter
+                prompts -= 1
+            elif forked:  # the deepest level that still forks
+                levels[forked[-1]] = (levels[forked[-1]][0] - 1, levels[forked[-1]][1])
+            elif prompt_len > 1 or any(s > 1 for _, s in levels):
+                prompt_len = max(1, prompt_len // 2)
+                levels = [(f, max(1, s // 2)) for f, s in levels]
+            else:  # one chain of single tokens: nothing left to shrink
+                raise ValueError(f"scale_tokens={scale_tokens} is too small for calibration trie {name!r}")
+        out.append((name, trie))
+    return out
+
+
+def _longest_allowed(model, longest: int) -> int:
+    """The longest rollout (at most ``longest``) the engine accepts for ``model`` (sliding windows)."""
+    adapter = adapt(model)
+    while longest > 2:
+        try:
+            adapter.check_length(longest)
+            return longest
+        except ValueError:
+            longest //= 2
+    return longest
+
+
+def calibrate(
+    model,
+    *,
+    block_tokens: int = 2048,
+    token_budget: int | None = None,
+    seconds: float = 60.0,
+    scale_tokens: int | None = None,
+    seed: int = 0,
+    use_cache: bool = True,
+    progress: bool = True,
+    repeats: int = 2,
+) -> CostModel:
+    """Time every mode on :func:`calibration_tries` on the model's device and fit a :class:`CostModel`.
+
+    ``scale_tokens``: tree tokens of the largest synthetic trie (default and at most ``token_budget``,
+    else 4096): calibrate at the size the engine will run. Every mode first runs once on the smallest
+    trie, not fitted (kernel compilation, library start-up). Then the tries are measured in order; none
+    starts after ``seconds`` (counted from the warm-up on), but at least one is measured. Flat and packed
+    keep the fastest of ``repeats`` runs (a new size can still compile a kernel variant), dfs (several
+    times slower) runs once. Existing ``.grad`` of the model's parameters are saved and restored. The
+    result is cached per model signature, device and settings.
+    """
+    scale = _scale(token_budget, scale_tokens)
+    path = cache_path(model, block_tokens, token_budget, scale)
+    if use_cache and path.exists():
+        return CostModel.from_dict(json.loads(path.read_text()))
+    vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size  # TinyLM or HF
+    tries = calibration_tries(scale, vocab=vocab, seed=seed, max_length=_longest_allowed(model, scale))
+    settings = {"block_tokens": block_tokens, "token_budget": token_budget}
+    saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
+    try:
+        samples = _measure(model, tries, settings, seconds=seconds, repeats=repeats, progress=progress)
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+    fitted = CostModel.fit(
+        samples, device=_device_label(next(model.parameters()).device), work=model_work(model)
+    )
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fitted.to_dict(), indent=1))
+    return fitted
+
+
+def _run(model, trie: RolloutTrie, mode: str, settings: dict) -> tuple[float, int | None]:
+    """One ``tree_backward`` call: its seconds and CUDA peak bytes (None on the CPU)."""
+    report = tree_backward(model, trie, None, mode=mode, **settings).report
+    return report.time_s, report.peak_memory_bytes
+
+
+def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, progress: bool) -> list[dict]:
+    """The samples of :meth:`CostModel.fit`: every mode on each trie, in order, until ``seconds`` pass."""
+    iterator = tries
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(tries, desc="calibrating cost model", leave=False)
+    samples = []
+    start = time.perf_counter()
+    smallest = min((t for _, t in tries), key=lambda t: sum(len(n.tokens) for n in t.nodes))
+    for mode in MODES:  # warm-up, not fitted
+        _run(model, smallest, mode, settings)
+    for _, trie in iterator:
+        if samples and time.perf_counter() - start > seconds:
+            break
+        shape = MicroBatchShape.of(trie, settings["block_tokens"], settings["token_budget"])
+        for mode in MODES:
+            runs = [_run(model, trie, mode, settings) for _ in range(1 if mode == "dfs" else max(1, repeats))]
+            samples.append(
+                {
+                    "mode": mode,
+                    "time_features": shape.time_features(mode),
+                    "memory_features": shape.memory_features(mode),
+                    "time_s": min(t for t, _ in runs),
+                    "peak_bytes": runs[-1][1],
+                }
+            )
+    return samples
