@@ -1,6 +1,7 @@
 """RolloutTrie: exact read-back, radix compression, statistics, serialization, graphs and orders."""
 
 import copy
+import errno
 import json
 import os
 import tempfile
@@ -246,6 +247,29 @@ def test_save_load_after_splits_above_old_nodes():
     trie = RolloutTrie.from_sequences(seqs)
     loaded = RolloutTrie.from_dict(json.loads(json.dumps(trie.to_dict())))
     assert loaded == trie and loaded.sequences() == seqs
+
+
+def test_a_failed_save_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "rollouts.json"
+    old = RolloutTrie.from_sequences([[1, 2, 3], [1, 2, 4]])
+    old.save(path)
+    before = path.read_bytes()
+
+    def dump_then_fail(obj, f, **kwargs):  # a disk that fills up halfway through the write
+        f.write(json.dumps(obj, **kwargs)[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", dump_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        RolloutTrie.from_sequences([[5, 6], [5, 7, 8]]).save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["rollouts.json"]
+    assert RolloutTrie.load(path) == old
+    new = RolloutTrie.from_sequences([[5, 6], [5, 7, 8]])
+    new.save(str(path))  # a str path replaces the old file whole
+    assert RolloutTrie.load(path) == new
+    assert [p.name for p in tmp_path.iterdir()] == ["rollouts.json"]
 
 
 def test_equality():

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .atomic import atomic_writer
 from .pack import TreePack
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -297,8 +298,11 @@ class RolloutTrie:
         return cls(nodes, seq_end_node)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the trie as JSON; :meth:`load` reads it back exactly (nodes, order and sequences)."""
-        with open(path, "w") as f:
+        """Write the trie as JSON; :meth:`load` reads it back exactly (nodes, order and sequences).
+
+        The write is atomic: a failed one (a full disk, a file-size limit) leaves an existing file whole.
+        """
+        with atomic_writer(path) as f:
             json.dump(self.to_dict(), f, separators=(",", ":"))
 
     @classmethod
