@@ -3,23 +3,103 @@
 - :func:`time_ms`: median milliseconds of a callable, with CUDA events (``triton.testing.do_bench``) on a
   GPU and ``time.perf_counter`` on the CPU.
 - :func:`environment`: the GPU and versions, recorded in every result file.
-- :func:`write_results`: JSON under ``bench/results/`` named with the benchmark, GPU, torch and triton.
+- :func:`write_results`: JSON named with the benchmark, GPU, torch and triton, written atomically under
+  ``--out`` or ``./bench/results`` of the current working directory (never inside the installed package).
+- :func:`positive_int`, :func:`int_list`, :func:`choice_list`, :func:`out_dir`: argparse types, so bad
+  options stop with a usage error before anything runs.
 - :func:`print_table`: a rich table (plain text when rich is missing).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
+import shlex
 import statistics
+import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
+# The results committed with a source checkout (read by the notebooks and the results document). Runs
+# write to default_results_dir() instead, so an installed package never writes into site-packages.
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
+def default_results_dir() -> Path:
+    """``./bench/results`` of the current working directory: where runs write without ``--out``."""
+    return Path.cwd() / "bench" / "results"
+
+
+# ------------------------------------------------------------------------------------- argparse types
+def positive_int(text: str) -> int:
+    """An integer >= 1 (``--heads 0`` is a usage error, not a traceback from deep inside a kernel)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """A comma list of positive integers, e.g. ``2,4,8``."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}")
+    try:
+        return [positive_int(t) for t in items]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of positive integers, got {text!r}") from None
+
+
+def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type for a comma list whose every item is one of ``choices``."""
+    allowed = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",")]
+        unknown = [t for t in items if t not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(allowed)}")
+        return items
+
+    parse.__name__ = "comma list"  # argparse names the type in its messages
+    return parse
+
+
+def out_dir(text: str) -> Path:
+    """A results folder that exists and is writable, or can be created (checked before a run starts, so
+    a long run never ends unable to save; nothing is created here)."""
+    path = Path(text).expanduser()
+    probe = path
+    while not probe.exists():
+        if probe.is_symlink() or probe.parent == probe:
+            raise argparse.ArgumentTypeError(f"{text!r}: cannot create this folder")
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is a file, not a folder" if probe == path else f"cannot be created: {probe} is a file"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {probe} is not writable")
+    return path
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--out`` option every benchmark shares, checked by :func:`out_dir` when parsed."""
+    parser.add_argument("--out", type=out_dir, default=None,
+                        help="results folder, checked before the run (default ./bench/results)")
+
+
+# ------------------------------------------------------------------------------------------- timing
 def time_ms(fn, *, warmup: int = 3, rep: int = 10, grad_to_none=None, device=None) -> float:
     """Median wall time of ``fn()`` in milliseconds (events on CUDA, perf_counter on CPU)."""
     device = torch.device(device) if device is not None else None
@@ -40,6 +120,7 @@ def time_ms(fn, *, warmup: int = 3, rep: int = 10, grad_to_none=None, device=Non
     return statistics.median(samples)
 
 
+# ------------------------------------------------------------------------------------------ results
 def environment() -> dict:
     import triton
 
@@ -54,18 +135,43 @@ def environment() -> dict:
     return env
 
 
+def command_line() -> str:
+    """The command that is running, as a user would type it (``python -m treeattn_lab bench tree ...``)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if argv and Path(argv[0]).name.startswith("python"):
+        argv[0] = "python"
+    return shlex.join(argv)
+
+
 def result_path(bench: str, env: dict, directory: Path | None = None) -> Path:
     tag = f"{bench}__{env['device']}__torch-{env['torch']}__triton-{env['triton']}"
     tag = re.sub(r"[^A-Za-z0-9._-]+", "-", tag)
-    return (directory or RESULTS_DIR) / f"{tag}.json"
+    return Path(directory if directory is not None else default_results_dir()) / f"{tag}.json"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a
+    reader sees the old file or the new one, never half of one, and a failed write leaves the old one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_results(bench: str, rows: list[dict], env: dict, *, directory: Path | None = None,
                   extra: dict | None = None) -> Path:
+    """Save a run as ``<directory>/<bench>__<device>__torch-<v>__triton-<v>.json``: the rows, the
+    environment, the command line and ``extra``. ``directory`` defaults to ``./bench/results``."""
     path = result_path(bench, env, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"bench": bench, "environment": env, "rows": rows, **(extra or {})}
-    path.write_text(json.dumps(payload, indent=1) + "\n")
+    payload = {"bench": bench, "environment": env, "command": command_line(), "rows": rows, **(extra or {})}
+    write_text_atomic(path, json.dumps(payload, indent=1) + "\n")
     return path
 
 

@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..trie import RolloutTrie
-from .harness import environment, print_table, time_ms, write_results
+from .harness import (
+    add_out_argument,
+    choice_list,
+    environment,
+    positive_int,
+    print_table,
+    time_ms,
+    write_results,
+)
 
 # bench row name -> tree_attention backend ("flat" is the flat SDPA baseline, not a tree_attention backend)
 TREE_BACKENDS = {"reference": "reference", "flex": "flex", "triton": "triton", "gather-flat": "flat",
@@ -218,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", choices=["research", "data", "all", "quick"], default=None,
                         help="default: all on a GPU, quick on the CPU")
-    parser.add_argument("--backends", default=None,
+    parser.add_argument("--backends", default=None, type=choice_list(["flat", *TREE_BACKENDS]),
                         help="comma list of flat,flex,triton,gather-flat,varlen,auto (and reference); "
                              "default: all but reference on a GPU, all but flex on the CPU")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--dim", type=positive_int, default=128)
     parser.add_argument("--check", action="store_true", help="also check triton bf16 against fp32 flat")
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -233,12 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     which = args.cases or ("all" if cuda else "quick")
     cases = {"research": research_cases, "data": dataset_cases, "quick": quick_cases,
              "all": lambda: research_cases() + dataset_cases()}[which]()
-    backends = args.backends.split(",") if args.backends else (
+    backends = args.backends or (
         ["flat", "flex", "triton", "gather-flat", "varlen", "auto"] if cuda
         else ["flat", "reference", "triton", "gather-flat", "varlen", "auto"])
-    unknown = [b for b in backends if b != "flat" and b not in TREE_BACKENDS]
-    if unknown:
-        parser.error(f"unknown backends {unknown}; choose from flat, {', '.join(TREE_BACKENDS)}")
     heads, dim = (args.heads, args.dim) if cuda or args.cases else (2, 16)
 
     rows = []
@@ -252,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = auto_summary(rows)
     if summary:
         print_table(f"auto against flat SDPA and triton (fwd+bwd), {env['device']}", AUTO_COLUMNS, summary)
-    from pathlib import Path
-
-    path = write_results("tree", rows, env, directory=Path(args.out) if args.out else None,
+    path = write_results("tree", rows, env, directory=args.out,
                          extra={"dtype": str(dtype), "heads": heads, "head_dim": dim})
     print(f"wrote {path}")
     return 0

@@ -1,0 +1,443 @@
+"""The results document, ``docs/results.md``, generated from the result files in ``bench/results/``.
+
+``python -m treeattn_lab results`` writes it (atomically); ``--check`` compares the committed document
+with what the JSON gives and fails when they differ, so a table cannot drift from its run. Every number
+in the document is read from a result file: nothing here types a measurement.
+
+Each result file ``<label>__<device>__torch-<v>__triton-<v>.json`` holds ``bench`` (what ran),
+``environment`` (GPU, versions, time), ``rows`` and extra fields. A renderer per ``bench`` turns a file
+into tables; files of an unknown ``bench`` get a plain table of their rows, and files that are not JSON
+(logs) are listed, not parsed. Each file's heading names its GPU, versions and the command that produced
+it: the ``command`` the harness records, or for files written before it did, the command below.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .harness import write_text_atomic
+
+__all__ = ["SECTIONS", "check_document", "render_document", "write_document"]
+
+M = "python -m treeattn_lab"
+TORCHRUN2 = "torchrun --standalone --nproc-per-node 2 -m treeattn_lab.distributed"
+RECORDED_COMMANDS = {  # for result files written before the harness recorded its command line
+    "tree": f"{M} bench tree --check",
+    "tree-repeat": f"{M} bench tree --cases research --backends triton,auto,flex,flat",
+    "tree-varlen": f"{M} bench tree --cases research --backends flat,flex,triton,gather-flat,varlen,auto "
+                   "--check",
+    "tree-fallback": f"{M} bench tree --cases research --backends flat,flex,triton,gather-flat,auto --check",
+    "tree-tma": f"{M} bench tree --cases research --backends flat,flex,triton,auto --check",
+    "tree-auto-data": f"{M} bench tree --cases data --backends flat,flex,triton,gather-flat,auto --check",
+    "tree-tune": f"{M} bench tree-tune",
+    "tree-tune-atomic": f"{M} bench tree-tune --passes dkdv,atomic --loads pointer",
+    "tree-tune-stream": (f"{M} bench tree-tune --passes stream", "a pass timing dQ beside dK/dV on a second "
+                         "stream, not in the code"),
+    "tree-bwd-profile": (None, "a torch.profiler script outside the repository, see the note"),
+    "train": f"{M} bench train",
+    "balance": f"{M} bench balance",
+    "multi-gpu-train-2x-before-refit": f"NCCL_NVLS_ENABLE=0 {TORCHRUN2}.train --set grpo_math "
+                                       "--out bench/results",
+    "sparse": f"{M} bench sparse --cases band --backends dense,triton --check",
+    "sparse-tune": f"{M} bench sparse --cases band --backends dense,triton --check --tune",
+    "sparse-ring": f"{TORCHRUN2}.ring_check",
+    "sparse-ring-variants": (f"{TORCHRUN2}.ring_check [--high-priority] [--layouts striped]",
+                             "one run per variant"),
+    "sparse-ring-timeline": f"{TORCHRUN2}.ring_check --profile",
+    "dilated": (f"{M} bench dilated", "three invocations merged, see the note"),
+    "scan": f"{M} bench dilated --scan-only",
+    "scan-tune": f"{M} bench dilated --scan-only --tune-scan",
+    "scan-tune-persistent": f"{M} bench dilated --scan-only --tune-scan persistent",
+    "scan-narrow-1": (f"{M} bench dilated --scan-only --scan-config CONFIG", "one per configuration below"),
+    "scan-narrow-2": (f"{M} bench dilated --scan-only --scan-config CONFIG", "one per configuration below"),
+    "rat-dilation-quick": "python -m treeattn_lab.experiments.rat_dilation --mode quick",
+    "rat-dilation-full": ("python -m treeattn_lab.experiments.rat_dilation --mode full --seeds S",
+                          "one process per seed, then the same with --merge"),
+}
+HEADERS = {"T": "packed T", "fwd_ms": "fwd ms", "fwd_bwd_ms": "fwd+bwd ms", "fwd_speedup": "fwd x base",
+           "fwd_bwd_speedup": "fwd+bwd x base", "fwd_tflops": "fwd TFLOP/s",
+           "fwd_bwd_tflops": "fwd+bwd TFLOP/s",
+           "rel_err_out": "err out", "rel_err_dq": "err dq", "rel_err_dk": "err dk", "rel_err_dv": "err dv",
+           "fwd_GBps": "fwd GB/s", "bwd_GBps": "bwd GB/s", "copy_GBps": "copy GB/s",
+           "fwd_frac_copy": "fwd / copy", "bwd_frac_copy": "bwd / copy", "ms": "ms"}
+
+
+# ------------------------------------------------------------------------------------------ markdown
+def fmt(x) -> str:
+    """A cell: floats to 3 significant digits (whole numbers from 1000 up), ints as they are."""
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+    if isinstance(x, int):
+        return f"{x:,}" if abs(x) >= 10000 else str(x)
+    if x is None:
+        return ""
+    if isinstance(x, (list, tuple)):
+        return ", ".join(fmt(v) for v in x)
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table (already formatted cells)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return lines + [""]
+
+
+def records(rows: Sequence[dict], keys: Sequence[str], headers: dict | None = None) -> list[str]:
+    """One table row per record, the columns ``keys`` that at least one record has."""
+    keys = [k for k in keys if any(k in r for r in rows)]
+    names = {**HEADERS, **(headers or {})}
+    return table([names.get(k, k) for k in keys], [[fmt(r.get(k)) for k in keys] for r in rows])
+
+
+def pivot(rows: Sequence[dict], index: Sequence[str], column: str, cell: Callable[[list[dict]], str],
+          headers: dict | None = None) -> list[str]:
+    """A table with one row per distinct ``index`` values and one column per distinct ``column`` value;
+    ``cell`` formats the records that fall in a cell (several records: e.g. repeats of one timing)."""
+    keys = list(dict.fromkeys(tuple(r.get(k) for k in index) for r in rows))
+    cols = list(dict.fromkeys(r.get(column) for r in rows))
+    names = {**HEADERS, **(headers or {})}
+    cells = []
+    for key in keys:
+        mine = [r for r in rows if tuple(r.get(k) for k in index) == key]
+        cells.append([fmt(v) for v in key]
+                     + [cell(g) if (g := [r for r in mine if r.get(column) == c]) else "" for c in cols])
+    return table([names.get(k, k) for k in index] + [fmt(c) for c in cols], cells)
+
+
+def median_of(key: str) -> Callable[[list[dict]], str]:
+    """A :func:`pivot` cell: the value of ``key`` (the median, and how many, when a cell holds repeats)."""
+
+    def cell(group: list[dict]) -> str:
+        values = [r[key] for r in group if isinstance(r.get(key), (int, float))]
+        if not values:
+            return "error" if any(r.get("error") for r in group) else ""
+        text = fmt(statistics.median(values))
+        return text if len(values) == 1 else f"{text} (median of {len(values)})"
+
+    return cell
+
+
+def mapping(d: dict) -> str:
+    """A dict as ``key: value`` pairs on one line (nested values shown as they are)."""
+    return ", ".join(f"{k}: {fmt(v) if not isinstance(v, dict) else json.dumps(v)}" for k, v in d.items())
+
+
+# ------------------------------------------------------------------------------------------ renderers
+def render_tree(p: dict) -> list[str]:
+    """``bench tree``: forward+backward ms per case and backend (with the speed-up over flat SDPA),
+    forward TFLOP/s of useful pairs, and the bf16 errors of ``--check``."""
+    rows = p["rows"]
+
+    def with_speedup(group):
+        r = group[0]
+        ratio = f" ({fmt(r['fwd_bwd_speedup'])}x)" if "fwd_bwd_speedup" in r else ""
+        picks = f", picks {r['auto_picks']}" if r.get("auto_picks") else ""
+        return f"{fmt(r['fwd_bwd_ms'])}{ratio}{picks}"
+
+    out = ["Forward + backward ms per backend (x flat SDPA):", ""]
+    out += pivot(rows, ("case", "T", "ideal"), "backend", with_speedup)
+    out += ["Forward ms / useful TFLOP/s per backend:", ""]
+    out += pivot(rows, ("case",), "backend", lambda g: f"{fmt(g[0]['fwd_ms'])} / {fmt(g[0]['fwd_tflops'])}")
+    checked = [r for r in rows if "rel_err_out" in r]
+    if checked:
+        out += ["bf16 against an fp32 per-sequence reference (relative error):", ""]
+        out += records(checked, ("case", "backend", "rel_err_out", "rel_err_dq", "rel_err_dk", "rel_err_dv"))
+    return out
+
+
+def render_tree_tune(p: dict) -> list[str]:
+    """``bench tree-tune``: ms per launch configuration and case, one table per pass."""
+    out = []
+    for name in dict.fromkeys(r["pass"] for r in p["rows"]):
+        out += [f"Pass `{name}`, ms:", ""]
+        out += pivot([r for r in p["rows"] if r["pass"] == name], ("config",), "case", median_of("ms"))
+    errors = {r["error"] for r in p["rows"] if r.get("error")}
+    out += [f"Error: {e}" for e in sorted(errors)] + ([""] if errors else [])
+    return out
+
+
+def render_tree_profile(p: dict) -> list[str]:
+    """Per-kernel CUDA times of one forward+backward step, per case and variant."""
+    out = ["Total kernel ms per step:", ""] + pivot(p["rows"], ("variant",), "case", median_of("total_ms"))
+    rows = [{"case": r["case"], "variant": r["variant"], **{k: v for k, v in r["kernels_ms"].items()
+                                                             if k.startswith("_")}} for r in p["rows"]]
+    kernels = list(dict.fromkeys(k for r in rows for k in r if k.startswith("_")))
+    return out + ["The lab's kernels, ms:", ""] + records(rows, ["case", "variant", *kernels])
+
+
+def render_sparse(p: dict) -> list[str]:
+    """``bench sparse``: the block-sparse kernel against dense SDPA, its check and tuning trials."""
+    out = records(p["rows"], ("case", "tokens", "density", "ideal", "tiles_per_block", "backend", "fwd_ms",
+                              "fwd_bwd_ms", "fwd_speedup", "fwd_bwd_speedup", "fwd_tflops"),
+                  {"fwd_speedup": "fwd x dense", "fwd_bwd_speedup": "fwd+bwd x dense"})
+    if "check" in p:
+        out += [f"bf16 against fp32 (relative error): {mapping(p['check'])}", ""]
+    for case, parts in p.get("breakdown", {}).items():
+        kernels = {k: v for k, v in parts.get("kernel_ms", {}).items() if k.startswith("_")}
+        steps = {k: v for k, v in parts.items() if k != "kernel_ms"}
+        out += [f"{case}, ms by step: {mapping(steps)}; by kernel: {mapping(kernels)}", ""]
+    if p.get("tune"):
+        out += ["Launch settings tried:", ""] + records(p["tune"], ("case", "config", "fwd_ms", "fwd_bwd_ms"))
+    return out
+
+
+def render_ring(p: dict) -> list[str]:
+    """Ring attention across GPUs against one GPU running the whole sequence."""
+    return records(p["rows"], ("variant", "nccl_high_priority_streams", "layout", "tokens", "world",
+                               "single_fwd_bwd_ms", "ring_fwd_bwd_ms", "fwd_bwd_speedup", "fwd_speedup",
+                               "rel_err_out", "rel_err_dk", "source"),
+                   {"nccl_high_priority_streams": "high-priority NCCL",
+                    "single_fwd_bwd_ms": "one GPU fwd+bwd ms",
+                    "ring_fwd_bwd_ms": "ring fwd+bwd ms", "fwd_bwd_speedup": "fwd+bwd x one GPU",
+                    "fwd_speedup": "fwd x one GPU"})
+
+
+def render_timeline(p: dict) -> list[str]:
+    """A profiled ring step: GPU ms per kernel family and the span of the step, per run."""
+
+    def busy(group):
+        return fmt(sum(r["ms"] for r in group))
+
+    spans = {run: max(r["start_ms"] + r["ms"] for r in p["rows"] if r["run"] == run)
+             for run in dict.fromkeys(r["run"] for r in p["rows"])}
+    out = ["GPU ms per kernel family (activities over the threshold):", ""]
+    out += pivot(p["rows"], ("run",), "family", busy)
+    return out + [f"Span of `{run}`: {fmt(ms)} ms" for run, ms in spans.items()] + [""]
+
+
+def render_dilated(p: dict) -> list[str]:
+    """``bench dilated``: the dilated kernel against dense SDPA and FlexAttention, checks and tuning."""
+    out = records(p["rows"], ("case", "backend", "fwd_ms", "fwd_bwd_ms", "fwd_speedup", "fwd_bwd_speedup",
+                              "ideal", "kv_cache_ratio", "fwd_tflops", "fwd_bwd_tflops"),
+                  {"fwd_speedup": "fwd x dense", "fwd_bwd_speedup": "fwd+bwd x dense"})
+    if p.get("checks"):
+        out += ["bf16 against fp32 masked SDPA (relative error):", ""]
+        out += records(p["checks"], ("check", "rel_err_out", "rel_err_dq", "rel_err_dk", "rel_err_dv"))
+    if p.get("tune_trials"):
+        out += [f"Tuning trials (chosen: {mapping(p.get('tuned', {}))}):", ""]
+        out += records(p["tune_trials"], ("kernel", "config", "ms"))
+    for key in ("scan", "scan_tune"):
+        if p.get(key):
+            out += [f"Scan (`{key}`):", ""] + render_scan({"scan": p[key]})
+    return out
+
+
+def render_scan(p: dict) -> list[str]:
+    """The gated scan against a ``copy_`` of the same bytes, one row per launch configuration."""
+    out = records(p["scan"], ("case", "config", "fwd_ms", "bwd_ms", "fwd_GBps", "bwd_GBps", "copy_GBps",
+                              "fwd_frac_copy", "bwd_frac_copy"))
+    if "scan_check" in p:
+        out += [f"Check against the fp32 loop: {mapping(p['scan_check'])}", ""]
+    return out
+
+
+def render_train(p: dict) -> list[str]:
+    """``bench train``: one optimizer step per rollout set and engine mode."""
+
+    def throughput(group):
+        r = group[0]
+        chose = f", chose {r['choices']}" if r["mode"] == "auto" else ""
+        return f"{fmt(r['tokens_per_s'])} ({fmt(r['speedup'])}x){chose}"
+
+    out = [f"Model: {fmt(p.get('params'))} parameters, {mapping(p.get('config', {}))}; block_tokens "
+           f"{fmt(p.get('block_tokens'))}, token_budget {fmt(p.get('token_budget'))}.", ""]
+    out += ["Flat tokens per second (x flat):", ""]
+    out += pivot(p["rows"], ("set", "token_ratio"), "mode", throughput)
+    out += ["Peak GiB:", ""] + pivot(p["rows"], ("set",), "mode", lambda g: fmt(g[0]["peak_gib"]))
+    if p.get("precision"):
+        out += ["bf16 gradients against fp32 flat (relative norm):", ""]
+        out += records(p["precision"], ("mode", "grad_rel_err"))
+    return out
+
+
+def render_multi_gpu(p: dict) -> list[str]:
+    """Data-parallel training on a trie split over ranks, measured against the cost model's prediction."""
+    return records(p["rows"], ("partitioner", "ranks", "step_s", "tokens_per_s", "speedup_vs_one_device",
+                               "measured_makespan_s", "predicted_makespan_s", "prediction_error",
+                               "measured_imbalance", "predicted_imbalance", "modes"))
+
+
+def render_balance(p: dict) -> list[str]:
+    """``bench balance``: imbalance (max / mean rank cost) per set, rank count and partitioner."""
+    out = ["Imbalance (makespan / anchor's makespan):", ""]
+    return out + pivot(p["rows"], ("set", "num_ranks"), "partitioner",
+                       lambda g: f"{fmt(g[0]['imbalance'])} ({fmt(g[0]['makespan_vs_anchor'])})",
+                       {"num_ranks": "K"})
+
+
+def render_rat(p: dict) -> list[str]:
+    """The RAT+ experiment: validation loss per model and inference pattern, and its gap to dense."""
+
+    def loss(group):
+        r = group[0]
+        spread = f", seeds {fmt(r['min'])}-{fmt(r['max'])}" if r.get("seeds", 1) > 1 else ""
+        return f"{fmt(r['val_loss'])} ({r['gap_vs_dense']:+.1%}{spread})"
+
+    out = [f"Configuration: {mapping(p.get('config', {}))}.", "",
+           "Validation loss, nats/byte (relative to the same model at D=1 after the same steps):", ""]
+    return out + pivot(p["summary"], ("dilation", "window", "initial", "adapted"), "model", loss,
+                       {"dilation": "D", "window": "W", "initial": "P"})
+
+
+def render_recall(p: dict) -> list[str]:
+    """Recall of attention mass by estimated vertical-slash patterns, per layer and budget."""
+    verdict = [{"layer / kind": k, **v} for k, v in p.get("verdict", {}).items()]
+    out = [f"Training: {mapping({k: v for k, v in p['config'].items() if not isinstance(v, dict)})}.", "",
+           "At the default budget:", ""]
+    out += records(verdict, ("layer / kind", "recall_mean", "recall_min", "density", "mean_meets_target",
+                             "min_meets_target"))
+    out += ["Mean recall per budget (lines per head):", ""]
+    return out + pivot(p["rows"], ("budget",), "kind",
+                       lambda g: " / ".join(f"{layer_name(r['layer'])} {fmt(r['recall_mean'])}" for r in g))
+
+
+def layer_name(layer) -> str:
+    return f"layer {layer}" if isinstance(layer, int) else f"layers {layer}"
+
+
+def render_rows(p: dict) -> list[str]:
+    """Any other result file: its rows, scalar fields only."""
+    rows = p.get("rows") or []
+    keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
+    return records(rows, keys) if rows else ["(no rows)", ""]
+
+
+def render_targets(targets: list[dict]) -> list[str]:
+    return ["Targets:", ""] + records(targets, ("target", "value", "goal", "met"))
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    about: str
+    renderers: dict[str, Callable[[dict], list[str]]]  # bench name (or name prefix ending in "-") -> renderer
+
+
+SECTIONS = (
+    Section("Tree attention", "The tree kernel against flat SDPA and FlexAttention on packed tries, its "
+            "launch tuning and a per-kernel profile of its backward.",
+            {"tree": render_tree, "tree-tune": render_tree_tune, "tree-bwd-profile": render_tree_profile}),
+    Section("Training on a trie", "One training step through the engine per rollout set and mode.",
+            {"train": render_train}),
+    Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
+            "data-parallel step on two GPUs.",
+            {"balance": render_balance, "multi-gpu-train-2x": render_multi_gpu}),
+    Section("Dynamic sparse attention", "The block-sparse kernel on vertical-slash patterns, and the "
+            "recall of attention mass by estimated patterns.",
+            {"sparse": render_sparse, "sparse-recall": render_recall}),
+    Section("Sparse ring attention", "The sparse kernel in a ring across GPUs, its variants and a profiled "
+            "step.", {"sparse-ring": render_ring, "sparse-ring-variants": render_ring,
+                      "sparse-ring-timeline": render_timeline}),
+    Section("Dilated attention and the scan", "The dilated kernel and the gated recurrence (scan) of RAT+.",
+            {"dilated": render_dilated, "scan": render_scan}),
+    Section("Train dense, infer sparse (RAT+)", "Loss of densely trained models run with dilated attention.",
+            {"rat-dilation-": render_rat}),
+)
+
+
+# ------------------------------------------------------------------------------------------ document
+def renderer_for(bench: str) -> tuple[Section | None, Callable[[dict], list[str]]]:
+    for section in SECTIONS:
+        for name, render in section.renderers.items():
+            if bench == name or (name.endswith("-") and bench.startswith(name)):
+                return section, render
+    return None, render_rows
+
+
+def command_of(label: str, p: dict) -> str:
+    """The recorded command line in backticks, with a remark where one command is not the whole story."""
+    command = p.get("command") or RECORDED_COMMANDS.get(label)
+    if command is None and p.get("bench") == "sparse-recall" and "config" in p:
+        c = p["config"]
+        command = (f"python -m treeattn_lab.experiments.sparse_recall --steps {c['steps']} "
+                   f"--seq-len {c['seq_len']} --windows {c['windows']}")
+    command, remark = command if isinstance(command, tuple) else (command, None)
+    text = f"`{command}`" if command else "none in the repository"
+    return text + (f" ({remark})" if remark else "") if command or remark else "not recorded"
+
+
+def file_heading(path: Path, p: dict) -> list[str]:
+    """The file, its GPU and versions, and the command that produced it."""
+    env = dict(p.get("environment", {}))
+    device = env.pop("device", "?")
+    cuda = f" (CUDA {env.pop('cuda')})" if "cuda" in env else ""
+    versions = f"torch {env.pop('torch', '?')}, triton {env.pop('triton', '?')}"
+    when = env.pop("time_utc", "")
+    label = path.name.split("__")[0]
+    out = [f"### {label}, {device}", "", f"`bench/results/{path.name}`: {device}{cuda}, {versions}"
+           + (f", {mapping(env)}" if env else "") + (f", run {when}" if when else "") + ".", "",
+           f"Command: {command_of(label, p)}", ""]
+    extras = {k: p[k] for k in ("dtype", "heads", "head_dim") if k in p}
+    if extras:
+        out += [f"Settings: {mapping(extras)}.", ""]
+    for key in ("what", "how", "notes", "pattern"):
+        for text in ([p[key]] if isinstance(p.get(key), str) else p.get(key) or []):
+            out += [f"Note: {fmt(text)}", ""]
+    return out
+
+
+def render_document(results_dir: Path | str) -> str:
+    """The whole document for the result files in ``results_dir``, as markdown text."""
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"no results folder {results_dir}")
+    placed: dict[str, list[str]] = {s.title: [] for s in SECTIONS}
+    placed["Other results"] = []
+    files = sorted(results_dir.glob("*__*.json"), key=lambda f: (f.name.split("__")[0].count("-"), f.name))
+    for path in files:
+        try:
+            payload = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        section, render = renderer_for(str(payload.get("bench", "")))
+        lines = file_heading(path, payload) + render(payload)
+        if payload.get("targets"):
+            lines += render_targets(payload["targets"])
+        placed[section.title if section else "Other results"] += lines
+    out = ["# Measured results", "",
+           "Generated by `python -m treeattn_lab results` from `bench/results/*.json`; do not edit by hand "
+           "(`python -m treeattn_lab results --check` fails when this file and the JSON disagree). Numbers "
+           "have three significant digits; \"x base\" is the speed-up over the first backend of the table "
+           "(flat or dense SDPA). docs/design.md explains what the runs mean for the design.", ""]
+    abouts = {s.title: s.about for s in SECTIONS}
+    for title, lines in placed.items():
+        if lines:
+            out += [f"## {title}", ""] + ([abouts[title], ""] if title in abouts else []) + lines
+    others = sorted(f.name for f in results_dir.iterdir() if f.is_file() and not f.name.endswith(".json"))
+    if others:
+        out += ["## Other files", "", "Kept beside the JSON and not parsed:", ""]
+        out += [f"- `bench/results/{name}`" for name in others] + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def write_document(results_dir: Path | str = "bench/results", out: Path | str = "docs/results.md") -> Path:
+    """Write the document to ``out`` through a temporary file and ``os.replace``."""
+    out = Path(out)
+    write_text_atomic(out, render_document(results_dir))
+    return out
+
+
+def check_document(results_dir: Path | str = "bench/results", out: Path | str = "docs/results.md") -> int:
+    """0 when ``out`` is what the JSON gives, else 1 with a diff on stderr."""
+    want = render_document(results_dir)
+    out = Path(out)
+    have = out.read_text() if out.exists() else ""
+    if have == want:
+        print(f"{out} matches {results_dir}")
+        return 0
+    diff = difflib.unified_diff(have.splitlines(), want.splitlines(), str(out), "from the JSON", lineterm="")
+    print(f"{out} differs from what {results_dir} gives; run `python -m treeattn_lab results`:",
+          *list(diff)[:60], sep="\n", file=sys.stderr)
+    return 1
