@@ -272,6 +272,92 @@ def test_a_failed_save_keeps_the_old_file_and_leaves_no_temp_file(tmp_path, monk
     assert [p.name for p in tmp_path.iterdir()] == ["rollouts.json"]
 
 
+def saved(**changes) -> dict:
+    """The saved form of the trie [[1, 2], [1, 3]] (nodes: root, [1], [2], [3]) with ``changes``."""
+    data = RolloutTrie.from_sequences([[1, 2], [1, 3]]).to_dict()
+    for where, value in changes.items():
+        if where == "seq_end_node":
+            data["seq_end_node"] = value
+        else:  # "node2_tokens", "node3_parent", ...
+            node, key = where.removeprefix("node").split("_")
+            data["nodes"][int(node)][key] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"node2_tokens": [1.9]}, TypeError, "node 2 holds 1.9 of type float; token ids must be integers"),
+        ({"node2_tokens": [-5]}, ValueError, r"node 2 holds the token id -5; ids must lie in \[0, 2\*\*63\)"),
+        (
+            {"node2_tokens": [2**70]},
+            ValueError,
+            r"node 2 holds the token id 1180591620717411303424; ids must",
+        ),
+        ({"node2_tokens": [True]}, TypeError, "node 2 holds True of type bool; token ids must be integers"),
+        ({"node2_tokens": ["7"]}, TypeError, "node 2 holds '7' of type str; token ids must be integers"),
+        ({"node2_tokens": "27"}, TypeError, "node 2 is a str; expected a list of ints"),
+        (
+            {"node3_tokens": [2]},
+            ValueError,
+            "nodes 2 and 3 are children of node 1 that both start with token 2",
+        ),
+        ({"seq_end_node": [2]}, ValueError, "node 3 is a leaf that no rollout ends at"),
+        ({"seq_end_node": []}, ValueError, "no sequences given: a trie needs at least one rollout"),
+        ({"seq_end_node": 2}, TypeError, "seq_end_node must be a list of node ids"),
+        (
+            {"seq_end_node": [2, 3.0]},
+            TypeError,
+            "sequence 1 ends at 3.0 of type float; node ids must be integers",
+        ),
+        ({"seq_end_node": [True, 3]}, TypeError, "sequence 0 ends at True of type bool"),
+        ({"node3_parent": "1"}, TypeError, "node 3 names parent '1' of type str; node ids must be integers"),
+        ({"node3_parent": 1.0}, TypeError, "node 3 names parent 1.0 of type float"),
+    ],
+)
+def test_load_checks_what_construction_checks(tmp_path, changes, error, match):
+    data = saved(**changes)
+    snapshot = copy.deepcopy(data)
+    with pytest.raises(error, match=match):
+        RolloutTrie.from_dict(data)
+    assert data == snapshot  # nothing was touched on the way to the error
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(error, match=match):
+        RolloutTrie.load(path)
+
+
+@pytest.mark.parametrize("bad", [1.9, -5, True, "7", 2**70])
+def test_load_names_a_bad_token_as_construction_does(bad):
+    with pytest.raises((TypeError, ValueError)) as built:
+        RolloutTrie.from_sequences([[1, 2], [1, bad]])
+    with pytest.raises(built.type) as loaded:
+        RolloutTrie.from_dict(saved(node3_tokens=[bad]))
+    assert str(loaded.value) == str(built.value).replace("sequence 1", "node 3", 1)
+
+
+def test_load_refuses_a_trie_that_construction_never_builds():
+    # a chain [1] -> [2] that no rollout ends inside is one radix node [1, 2]
+    data = {
+        **saved(),
+        "nodes": [{"parent": -1, "tokens": []}, {"parent": 0, "tokens": [1]}, {"parent": 1, "tokens": [2]}],
+        "seq_end_node": [2],
+    }
+    with pytest.raises(ValueError, match="node 1 has one child and no rollout ends at it"):
+        RolloutTrie.from_dict(data)
+    for broken in (
+        {**saved(), "nodes": "root"},
+        {**saved(), "nodes": [{"parent": -1, "tokens": []}, [0, [1]]]},
+        {**saved(), "nodes": [{"parent": -1, "tokens": []}, {"tokens": [1]}]},
+    ):
+        with pytest.raises(ValueError, match="nodes must be a list of"):
+            RolloutTrie.from_dict(broken)
+    data = saved()
+    del data["seq_end_node"]
+    with pytest.raises(ValueError, match="not a saved RolloutTrie"):
+        RolloutTrie.from_dict(data)
+
+
 def test_equality():
     a = RolloutTrie.from_sequences([[1, 2], [1, 3]])
     assert a == RolloutTrie.from_sequences([[1, 2], [1, 3]])

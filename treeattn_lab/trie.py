@@ -50,36 +50,40 @@ class TrieNode:
         return self.depth + len(self.tokens)
 
 
-def _as_token_list(seq, index: int) -> list[int]:
-    """Validate one rollout and return it as a list of Python ints (never mutating the input)."""
+def _token_ids(seq, what: str) -> list[int]:
+    """Validate the token ids of ``what`` ("sequence 3", "node 5") and return them as a list of Python
+    ints (never mutating the input); empty is allowed here."""
     if isinstance(seq, torch.Tensor):
         if seq.dim() != 1:
-            raise ValueError(f"sequence {index} is a {seq.dim()}-D tensor; expected a 1-D integer tensor")
+            raise ValueError(f"{what} is a {seq.dim()}-D tensor; expected a 1-D integer tensor")
         if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
-            raise TypeError(f"sequence {index} has dtype {seq.dtype}; token ids must be an integer dtype")
+            raise TypeError(f"{what} has dtype {seq.dtype}; token ids must be an integer dtype")
         tokens = seq.detach().cpu().tolist()
     elif isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
-        raise TypeError(
-            f"sequence {index} is a {type(seq).__name__}; expected a list of ints or a 1-D integer tensor"
-        )
+        raise TypeError(f"{what} is a {type(seq).__name__}; expected a list of ints or a 1-D integer tensor")
     else:
-        tokens = []
-        for t in seq:
-            if isinstance(t, bool) or not hasattr(t, "__index__"):  # ints and numpy integers pass
-                raise TypeError(
-                    f"sequence {index} holds {t!r} of type {type(t).__name__}; token ids must be integers"
-                )
-            try:
-                tokens.append(operator.index(t))
-            except TypeError:  # e.g. a float 0-D tensor, which has __index__ but refuses it
-                raise TypeError(
-                    f"sequence {index} holds {t!r} of type {type(t).__name__}; token ids must be integers"
-                ) from None
-    if len(tokens) == 0:
-        raise ValueError(f"sequence {index} is empty; every rollout needs at least one token")
+        tokens = [_integer(t, f"{what} holds", "token ids") for t in seq]
     bad = next((t for t in tokens if not 0 <= t < 2**63), None)
     if bad is not None:
-        raise ValueError(f"sequence {index} holds the token id {bad}; ids must lie in [0, 2**63) (int64)")
+        raise ValueError(f"{what} holds the token id {bad}; ids must lie in [0, 2**63) (int64)")
+    return tokens
+
+
+def _integer(value, context: str, kind: str) -> int:
+    """``value`` as a Python int; ints and numpy integers pass, bools, floats and strings do not."""
+    if not isinstance(value, bool) and hasattr(value, "__index__"):
+        try:
+            return operator.index(value)
+        except TypeError:  # e.g. a float 0-D tensor, which has __index__ but refuses it
+            pass
+    raise TypeError(f"{context} {value!r} of type {type(value).__name__}; {kind} must be integers")
+
+
+def _as_token_list(seq, index: int) -> list[int]:
+    """One rollout's token ids (at least one) as a list of Python ints."""
+    tokens = _token_ids(seq, f"sequence {index}")
+    if len(tokens) == 0:
+        raise ValueError(f"sequence {index} is empty; every rollout needs at least one token")
     return tokens
 
 
@@ -195,9 +199,7 @@ class RolloutTrie:
         tree_tokens = sum(len(n.tokens) for n in self.nodes)
         flat_pairs = sum(L * (L + 1) // 2 for L in lengths)
         # a token at depth d (0-based position) attends d + 1 keys: its ancestors and itself
-        tree_pairs = sum(
-            (n.depth + 1 + n.end_depth) * len(n.tokens) // 2 for n in self.nodes if n.tokens
-        )
+        tree_pairs = sum((n.depth + 1 + n.end_depth) * len(n.tokens) // 2 for n in self.nodes if n.tokens)
         real = self.nodes[1:]
         internal = [n for n in real if n.children]
         node_depth = self._node_depths()
@@ -218,9 +220,7 @@ class RolloutTrie:
             "mean_leaf_node_depth": sum(node_depth[i] for i in leaf_ids) / len(leaf_ids),
             "root_branching": len(self.nodes[ROOT].children),
             "max_branching": max((len(n.children) for n in real), default=0),
-            "mean_branching": (
-                sum(len(n.children) for n in internal) / len(internal) if internal else 0.0
-            ),
+            "mean_branching": (sum(len(n.children) for n in internal) / len(internal) if internal else 0.0),
             "mean_node_tokens": tree_tokens / max(self.num_nodes, 1),
         }
 
@@ -272,29 +272,29 @@ class RolloutTrie:
 
     @classmethod
     def from_dict(cls, data: dict) -> RolloutTrie:
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        """The trie of :meth:`to_dict`, checked as :meth:`from_sequences` checks its input.
+
+        Token ids must be ints in [0, 2**63), every rollout must end at a node, and the tree must be the
+        one :meth:`from_sequences` builds: one child per first token, every leaf the end of a rollout,
+        no node with a single child that no rollout ends at (radix compression). Parents come before
+        their children.
+        """
+        if not isinstance(data, dict) or data.get("format") != _FORMAT or "seq_end_node" not in data:
             raise ValueError(f"not a saved RolloutTrie (expected format {_FORMAT!r})")
         if data.get("version") != _FORMAT_VERSION:
             raise ValueError(f"unsupported RolloutTrie version {data.get('version')!r}")
-        raw = data["nodes"]
-        if not raw or raw[0]["parent"] != -1 or raw[0]["tokens"]:
-            raise ValueError("a saved trie must start with the empty root node")
-        nodes = []
-        for i, rn in enumerate(raw):
-            parent = int(rn["parent"])
-            if i > 0 and not (0 <= parent < i):
-                raise ValueError(f"node {i} names parent {parent}; parents must come before children")
-            depth = nodes[parent].end_depth if i > 0 else 0
-            nodes.append(TrieNode(tokens=[int(t) for t in rn["tokens"]], parent=parent, depth=depth))
-            if i > 0:
-                if not nodes[i].tokens:
-                    raise ValueError(f"node {i} holds no tokens")
-                nodes[parent].children.append(i)
-        seq_end_node = [int(n) for n in data["seq_end_node"]]
+        nodes = _nodes_from_dict(data.get("nodes"))
+        ends = data["seq_end_node"]
+        if isinstance(ends, (str, bytes)) or not isinstance(ends, Sequence):
+            raise TypeError(f"seq_end_node must be a list of node ids, got {type(ends).__name__}")
+        if not ends:
+            raise ValueError("no sequences given: a trie needs at least one rollout")
+        seq_end_node = [_integer(n, f"sequence {i} ends at", "node ids") for i, n in enumerate(ends)]
         for i, n in enumerate(seq_end_node):
             if not (0 < n < len(nodes)):
                 raise ValueError(f"sequence {i} ends at unknown node {n}")
             nodes[n].ends.append(i)
+        _check_radix_tree(nodes)
         return cls(nodes, seq_end_node)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -319,6 +319,48 @@ class RolloutTrie:
             f"RolloutTrie({s['num_sequences']} sequences, {s['num_nodes']} nodes, "
             f"{s['flat_tokens']} flat -> {s['tree_tokens']} tree tokens, x{s['token_ratio']:.2f})"
         )
+
+
+def _nodes_from_dict(raw) -> list[TrieNode]:
+    """The nodes of a saved trie, with depths and children filled in (ends are added by the caller)."""
+    if not isinstance(raw, list) or not all(
+        isinstance(n, dict) and {"parent", "tokens"} <= n.keys() for n in raw
+    ):
+        raise ValueError("nodes must be a list of {'parent': id, 'tokens': [ids]} objects")
+    if not raw or raw[0]["parent"] != -1 or raw[0]["tokens"]:
+        raise ValueError("a saved trie must start with the empty root node")
+    nodes = [TrieNode(tokens=[], parent=-1, depth=0)]
+    for i, rn in enumerate(raw[1:], start=1):
+        parent = _integer(rn["parent"], f"node {i} names parent", "node ids")
+        if not (0 <= parent < i):
+            raise ValueError(f"node {i} names parent {parent}; parents must come before children")
+        tokens = _token_ids(rn["tokens"], f"node {i}")
+        if not tokens:
+            raise ValueError(f"node {i} holds no tokens")
+        nodes.append(TrieNode(tokens=tokens, parent=parent, depth=nodes[parent].end_depth))
+        nodes[parent].children.append(i)
+    return nodes
+
+
+def _check_radix_tree(nodes: list[TrieNode]) -> None:
+    """Raise unless ``nodes`` (with their ends) form the tree :meth:`RolloutTrie.from_sequences` builds."""
+    for i, node in enumerate(nodes):
+        first_child: dict[int, int] = {}
+        for c in node.children:
+            other = first_child.setdefault(nodes[c].tokens[0], c)
+            if other != c:
+                raise ValueError(
+                    f"nodes {other} and {c} are children of node {i} that both start with token "
+                    f"{nodes[c].tokens[0]}; a prefix trie has one child per first token"
+                )
+        if i == ROOT or node.ends:
+            continue
+        if not node.children:
+            raise ValueError(f"node {i} is a leaf that no rollout ends at")
+        if len(node.children) == 1:
+            raise ValueError(
+                f"node {i} has one child and no rollout ends at it; a radix trie merges the two into one node"
+            )
 
 
 def _insert(nodes: list[TrieNode], child_by_token: list[dict[int, int]], tokens: list[int]) -> int:
