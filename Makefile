@@ -1,6 +1,7 @@
 # treeattn_lab: two commands.
-#   make lab   -> .venv with everything a learner needs, then JupyterLab on notebooks/
-#   make test  -> .venv with the dev extras, then the whole suite (notebooks included)
+#   make lab   -> .venv with the lab (the package and its "lab" extra: JupyterLab, widgets, plotly), then
+#                 JupyterLab on notebooks/ (LAB_ARGS passes options, e.g. LAB_ARGS="--port=8899 --no-browser")
+#   make test  -> .venv with the dev extras (the lab's included), then the whole suite (notebooks included)
 #
 # torch: a torch importable by $(PYTHON) (a cloud GPU notebook) is kept: the venv then sees the system
 # site-packages. Otherwise: a CUDA build from PyPI where an NVIDIA GPU is present, else the CPU build
@@ -13,6 +14,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_CPU_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+LAB_ARGS ?=
 
 .PHONY: lab test venv torch browser lint bench-tree clean
 
@@ -45,15 +47,22 @@ $(VENV)/.torch: $(PY)
 torch: $(VENV)/.torch
 
 $(VENV)/.lab: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e . 2>&1 | grep -v "is ignored" || true
-	@$(PY) -c "import treeattn_lab, jupyterlab" && touch $@
+	$(PIP) install -q -e ".[lab]" 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import treeattn_lab, jupyterlab, plotly, ipywidgets, anywidget" && touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-	@$(PY) -c "import treeattn_lab, pytest, hypothesis, nbclient" && touch $@ $(VENV)/.lab
+	@$(PY) -c "import treeattn_lab, jupyterlab, pytest, hypothesis, nbclient" && touch $@ $(VENV)/.lab
 
+# JupyterLab refuses to start as root unless told; in a container (Binder, Docker, cloud notebooks, CI)
+# root is the normal user, so the lab passes --allow-root there and says so.
 lab: $(VENV)/.lab
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	@if [ "$$(id -u)" = 0 ]; then \
+	  echo "[make] running as root (a container?): starting JupyterLab with --allow-root"; \
+	  exec $(VENV)/bin/jupyter lab --notebook-dir=notebooks --allow-root $(LAB_ARGS); \
+	else \
+	  exec $(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS); \
+	fi
 
 # Debian's chromium for the browser test (tests/test_browser.py drives JupyterLab in it through Playwright;
 # never `playwright install`). Installed with apt-get when missing; where apt-get cannot run (no root, no
