@@ -16,6 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import rollout_forests
+from tests.engine_models import (
+    CASES,
+    HF_RTOL,
+    VOCAB,
+    assert_grads_close,
+    enable_hf_checkpointing,
+    flat_gradients,
+    hf_llama,
+    hf_model,
+    random_weights,
+    tiny_lm,
+)
 from treeattn_lab import RolloutTrie
 from treeattn_lab.engine import (
     MODES,
@@ -26,85 +38,6 @@ from treeattn_lab.engine import (
     tree_backward,
 )
 from treeattn_lab.engine.nnls import nnls
-from treeattn_lab.reference import TinyLM, TinyLMConfig
-
-VOCAB = 50
-# transformers computes RMSNorm and RoPE in float32 even for float64 weights: its float64 models agree with
-# themselves run another way only to fp32 rounding, amplified on degenerate rollouts (one token repeated)
-HF_RTOL = 1e-4
-
-
-def tiny_lm(dtype=torch.float64, seed=0, checkpointing=False) -> TinyLM:
-    torch.manual_seed(seed)
-    cfg = TinyLMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
-    model = TinyLM(cfg).to(dtype)
-    model.gradient_checkpointing = checkpointing
-    return model
-
-
-def hf_llama(dtype=torch.float64, seed=0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        max_position_embeddings=512,
-    )
-    return transformers.LlamaForCausalLM(cfg).to(dtype)
-
-
-def enable_hf_checkpointing(model) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.train()
-
-
-def per_sequence_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    if isinstance(model, TinyLM):
-        return model.forward_padded(ids[None])[0]
-    return model(input_ids=ids[None]).logits[0]
-
-
-def flat_gradients(model, seqs, weights):
-    """Ground truth: sum of per-rollout weighted NLLs, each rollout run alone, then backward()."""
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for s, w in zip(seqs, weights, strict=True):
-        ids = torch.tensor(s)
-        logp = torch.log_softmax(per_sequence_logits(model, ids).double(), dim=-1)
-        nll = -logp[:-1].gather(-1, ids[1:, None])[:, 0]
-        losses.append((w[1:].double() * nll).sum())
-    total = torch.stack(losses).sum()
-    if total.requires_grad:  # else every rollout is one token long: nothing to predict, zero gradient
-        total.backward()
-    grads = {
-        n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
-    }
-    model.zero_grad(set_to_none=True)
-    return grads, torch.stack(losses).detach()
-
-
-def assert_grads_close(model, expected, rtol):
-    """Per parameter: ||grad - expected|| <= rtol * ||expected||, where a parameter whose true gradient
-    nearly cancels (below 1e-6 of the whole gradient's norm) is held to that floor instead."""
-    total = torch.sqrt(sum(g.double().pow(2).sum() for g in expected.values()))
-    for name, p in model.named_parameters():
-        want = expected[name].double()
-        got = torch.zeros_like(want) if p.grad is None else p.grad.double()
-        err = (got - want).norm() / torch.maximum(want.norm(), 1e-6 * total).clamp_min(1e-300)
-        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
-
-
-def random_weights(seqs, seed, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(len(s), generator=g, dtype=dtype) for s in seqs]
 
 
 @given(
@@ -131,12 +64,6 @@ def test_tinylm_gradients_equal_flat_training(seqs, mode, block_tokens, token_bu
         assert report.grad_tokens == report.tree_tokens  # every tree token runs with grad exactly once
     if mode == "flat":
         assert report.grad_tokens == report.flat_tokens and report.no_grad_tokens == 0
-
-
-CASES = [
-    [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 6, 7, 8], [9], [1, 2], [1, 2, 3, 4, 5]],  # dups, prefixes
-    [list(range(1, 30))] + [list(range(1, 30)) + [k, k + 1] for k in range(30, 40, 3)],  # deep and wide
-]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -378,18 +305,7 @@ def test_no_grad_context_and_active_dropout_are_refused_clearly():
 
 
 def test_sliding_window_models_run_while_rollouts_fit_the_window():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        sliding_window=8,
-    )
-    torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(cfg).double()
+    model = hf_model("Mistral", num_hidden_layers=1, sliding_window=8)
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6]]
     weights = random_weights(seqs, 12)
     expected, _ = flat_gradients(model, seqs, weights)

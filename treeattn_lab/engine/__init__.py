@@ -1,8 +1,12 @@
 """How to run a rollout trie through a model: DFS materialization, micro-batching, cost model and fallback.
 
-- :func:`tree_backward` (``tree_backward.py``): the entry point; fills ``.grad`` exactly as flat training.
+- :func:`tree_backward` (``tree_backward.py``): the training entry point; fills ``.grad`` with the
+  gradient of any objective of the rollouts' log-probs exactly as flat training would.
+- :func:`tree_logprobs` (``logprobs.py``): per-token log-probs (and entropies) without autograd.
+- :func:`hf_tree_attention` (``hf_attention.py``): a Hugging Face model over a pack with tree attention.
 - ``adapters.py``: the model door (TinyLM, Hugging Face causal LMs); ``attention.py``: the attentions it
-  hands the model; ``loss_plan.py``: the loss written once per tree token.
+  hands the model; ``loss_plan.py``: the loss written once per tree token; ``lm_head.py``: the head by
+  chunks of rows; ``call_plan.py``: argument checks, micro-batches and modes of a call.
 - ``microbatch.py``: dynamic micro-batching; ``modes.py`` and ``dfs.py``: flat, packed and DFS runs;
   ``cost_model.py``: predicted time and memory per mode, their fit and the ``"auto"`` choice;
   ``calibration.py``: the measurements it is fitted on; ``nnls.py``: the non-negative least squares solver.
@@ -11,6 +15,8 @@
 from .adapters import adapt
 from .calibration import calibrate
 from .cost_model import CostModel, MicroBatchShape
+from .hf_attention import hf_tree_attention
+from .logprobs import tree_logprobs
 from .microbatch import MicroBatch, plan_micro_batches
 from .modes import MODES
 from .tree_backward import TreeBackwardReport, TreeBackwardResult, tree_backward
@@ -25,5 +31,7 @@ __all__ = [
     "adapt",
     "calibrate",
     "plan_micro_batches",
+    "hf_tree_attention",
     "tree_backward",
+    "tree_logprobs",
 ]

@@ -1,18 +1,22 @@
 """Model adapters: the one door through which the engine runs a model.
 
-The engine needs a single thing from a causal LM: logits for ``input_ids [B, N]`` at ``position_ids [B, N]``
-where every layer's attention is a function the engine supplies,
+The engine needs two things from a causal LM: the final hidden states (after the last norm) for
+``input_ids [B, N]`` at ``position_ids [B, N]``, where every layer's attention is a function the engine
+supplies,
 
     layer_attention(layer, q [B, N, Hq, D], k [B, N, Hkv, D], v [B, N, Hkv, D], scale) -> [B, N, Hq, D]
 
 with q and k already rotated (RoPE). Flat training passes causal attention, packed training tree
 attention over a :class:`TreePack`, and DFS materialization an attention that reads each layer's stored
-prefix keys and values. The adapter never changes the model's weights; a Hugging Face model's attention
+prefix keys and values; and the output head, which the engine applies by chunks of rows
+(:mod:`treeattn_lab.engine.lm_head`) so that ``[tokens, vocab]`` logits never exist at once. The adapter
+never changes the model's weights; a Hugging Face model's attention
 implementation is switched only for the duration of a call and then restored.
 
 - :class:`TinyLMAdapter`: the lab's :class:`treeattn_lab.reference.TinyLM`.
 - :class:`HFCausalLMAdapter`: Hugging Face ``transformers`` causal LMs whose attention goes through
-  ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, Mistral and their relatives).
+  ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2, Mistral and their relatives), through
+  :mod:`treeattn_lab.engine.hf_attention`, which refuses the attention features the lab cannot honour.
 """
 
 from __future__ import annotations
@@ -23,25 +27,37 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import hf_attention
 
 LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 
 
 class ModelAdapter:
-    """What the engine knows of a model: sizes, and logits under an engine-supplied attention."""
+    """What the engine knows of a model: sizes, hidden states under an engine-supplied attention, the head."""
 
     def __init__(self, model: nn.Module, *, num_layers: int, vocab_size: int):
         self.model = model
         self.num_layers = num_layers
         self.vocab_size = vocab_size
 
-    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: LayerAttention):
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: LayerAttention):
+        """Final hidden states ``[B, N, d]`` (after the last norm, before the head)."""
         raise NotImplementedError
 
+    @property
+    def head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The output head: hidden rows ``[n, d]`` -> logits ``[n, V]``."""
+        raise NotImplementedError
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: LayerAttention):
+        return self.head(self.hidden(input_ids, position_ids, attention))
+
     @contextlib.contextmanager
-    def session(self):
+    def session(self, longest: int | None = None):
         """Hold whatever the engine's attention needs for a whole call, backward passes included
-        (activation checkpointing recomputes layers during backward)."""
+        (activation checkpointing recomputes layers during backward); ``longest``: the longest rollout."""
         yield self
 
     def check_length(self, longest: int) -> None:
@@ -56,50 +72,43 @@ class ModelAdapter:
         return next(self.model.parameters()).dtype
 
 
+def features_and_head(adapter, input_ids, position_ids, attention):
+    """``(features [B, N, ...], head)``: hidden states and the head, or, for an adapter that only gives
+    logits (a test probe), the logits and the identity."""
+    if hasattr(adapter, "hidden"):
+        return adapter.hidden(input_ids, position_ids, attention), adapter.head
+    return adapter.logits(input_ids, position_ids, attention), _identity
+
+
+def _identity(x):
+    return x
+
+
 class TinyLMAdapter(ModelAdapter):
+    """The lab's TinyLM: its blocks run one by one, each with its layer's attention (TinyLM calls
+    ``attention(q, k, v)``; its scale is the default ``1/sqrt(head_dim)``)."""
+
     def __init__(self, model):
         super().__init__(model, num_layers=model.cfg.n_layers, vocab_size=model.cfg.vocab_size)
 
-    def logits(self, input_ids, position_ids, attention: LayerAttention):
-        per_layer = [
-            partial(_call_with_layer, attention, layer) for layer in range(self.num_layers)
-        ]  # TinyLM calls attention(q, k, v); its scale is the default 1/sqrt(head_dim)
-        return self.model(input_ids, position_ids, per_layer)
+    def hidden(self, input_ids, position_ids, attention: LayerAttention):
+        m = self.model
+        x = m.embed(input_ids)
+        for layer, block in enumerate(m.blocks):
+            layer_attention = partial(_call_with_layer, attention, layer)
+            if m.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, position_ids, layer_attention, use_reentrant=False)
+            else:
+                x = block(x, position_ids, layer_attention)
+        return m.norm(x)
+
+    @property
+    def head(self):
+        return self.model.head
 
 
 def _call_with_layer(attention: LayerAttention, layer: int, q, k, v):
     return attention(layer, q, k, v, None)
-
-
-# ---------------------------------------------------------------------------------- Hugging Face
-HF_ATTENTION_NAME = "treeattn_lab"
-# The attention of the running engine call. A plain module-level slot, not a ContextVar: on CUDA,
-# checkpointed layers are recomputed on autograd's worker threads, which must see it too. So one
-# tree_backward call at a time per process (each call sets it in session() and clears it after).
-_ACTIVE: dict[str, LayerAttention | None] = {"attention": None}
-
-
-def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function registered with ``transformers``: ``[B, H, N, D]`` in, ``[B, N, H, D]`` out.
-
-    The engine's attention is causal (or tree-shaped) by construction, so the model's mask is ignored;
-    none is built, because this name is not registered with ``transformers``' mask interface.
-    """
-    attention = _ACTIVE["attention"]
-    if attention is None:
-        raise RuntimeError(
-            f"attention implementation {HF_ATTENTION_NAME!r} only runs inside the treeattn_lab engine"
-        )
-    if dropout:
-        raise ValueError("attention dropout is not supported by the treeattn_lab engine; set it to 0")
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    return attention(module.layer_idx, q, k, v, scaling), None
-
-
-def _register_hf_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
 
 
 class HFCausalLMAdapter(ModelAdapter):
@@ -107,10 +116,10 @@ class HFCausalLMAdapter(ModelAdapter):
 
     def __init__(self, model):
         cfg = model.config
+        hf_attention.check_supported_config(cfg)
         super().__init__(model, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
-        uses_window = getattr(cfg, "use_sliding_window", True) and getattr(cfg, "sliding_window", None)
-        self.sliding_window = int(cfg.sliding_window) if uses_window else None
-        _register_hf_attention()
+        self.sliding_window = hf_attention.sliding_window(cfg)
+        self._slot: dict | None = None
 
     def check_length(self, longest: int) -> None:
         """A sliding-window model is exact here only while no rollout is longer than its window."""
@@ -121,25 +130,26 @@ class HFCausalLMAdapter(ModelAdapter):
             )
 
     @contextlib.contextmanager
-    def session(self):
+    def session(self, longest: int | None = None):
         """Switch the model to the engine's attention for the call, then restore its own."""
-        if _ACTIVE["attention"] is not None:
-            raise RuntimeError("another treeattn_lab engine call is running in this process")
-        config = self.model.config
-        previous = config._attn_implementation
-        config._attn_implementation = HF_ATTENTION_NAME
-        try:
-            yield self
-        finally:
-            config._attn_implementation = previous
-            _ACTIVE["attention"] = None
+        with hf_attention.attention_session(self.model, longest) as slot:
+            self._slot = slot
+            try:
+                yield self
+            finally:
+                self._slot = None
 
-    def logits(self, input_ids, position_ids, attention: LayerAttention):
-        if self.model.config._attn_implementation != HF_ATTENTION_NAME:
-            raise RuntimeError("HFCausalLMAdapter.logits runs inside `with adapter.session():`")
+    def hidden(self, input_ids, position_ids, attention: LayerAttention):
+        if self._slot is None:
+            raise RuntimeError("HFCausalLMAdapter runs the model inside `with adapter.session():`")
         # stays set after the forward: a checkpointed layer recomputed in backward must see it too
-        _ACTIVE["attention"] = attention
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        self._slot["attention"] = attention
+        base = self.model.base_model
+        return base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+
+    @property
+    def head(self):
+        return self.model.get_output_embeddings()
 
 
 def adapt(model) -> ModelAdapter:

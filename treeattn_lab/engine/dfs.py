@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .adapters import features_and_head
 from .attention import suffix_causal
 
 
@@ -106,6 +107,26 @@ class PathState:
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
+def _after_prefix(q, k, v, prefix_k, prefix_v, scale):
+    """Attention of a block's rows (sibling leaves run as a batch of rows) after one shared prefix."""
+    rows = k.shape[0]
+    keys = torch.cat([prefix_k.to(k.dtype).expand(rows, -1, -1, -1), k], dim=1)
+    values = torch.cat([prefix_v.to(v.dtype).expand(rows, -1, -1, -1), v], dim=1)
+    return suffix_causal(q, keys, values, scale)
+
+
+class PrefixRead:
+    """Attention of sibling leaf blocks run without autograd: read the stored prefix, store nothing."""
+
+    def __init__(self, state: PathState, block: Block):
+        self.state, self.block = state, block
+
+    def __call__(self, layer: int, q, k, v, scale=None):
+        st, p = self.state, self.block.position
+        st.ensure(layer, k)
+        return _after_prefix(q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], scale)
+
+
 class BlockRun:
     """The attention a model sees while one block runs: against the stored prefix, with or without grad."""
 
@@ -133,10 +154,7 @@ class BlockRun:
             self.prefix_k[layer] = st.k[layer][:p].detach().requires_grad_(True)
             self.prefix_v[layer] = st.v[layer][:p].detach().requires_grad_(True)
             self.new_k[layer], self.new_v[layer] = k, v
-        rows = k.shape[0]  # sibling leaves run as a batch of rows that share the prefix
-        keys = torch.cat([self.prefix_k[layer].to(k.dtype).expand(rows, -1, -1, -1), k], dim=1)
-        values = torch.cat([self.prefix_v[layer].to(v.dtype).expand(rows, -1, -1, -1), v], dim=1)
-        return suffix_causal(q, keys, values, scale)
+        return _after_prefix(q, k, v, self.prefix_k[layer], self.prefix_v[layer], scale)
 
     def backward(self, loss) -> None:
         """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V."""
@@ -193,53 +211,105 @@ def _leaf_batch(ids, positions, blocks: list[Block], group: list[int]):
     return batch_ids, batch_pos, lengths
 
 
+def _leaf_span(blocks: list[Block], group: list[int]) -> Block:
+    first, last = blocks[group[0]], blocks[group[-1]]
+    return Block(first.start, last.end, first.position, first.parent, has_children=False)
+
+
+def _leaves_features(adapter, ids, pos, blocks, group, attention):
+    """Features of a group of sibling leaves as the packed rows of their span, and the head."""
+    batch_ids, batch_pos, lengths = _leaf_batch(ids, pos, blocks, group)
+    features, head = features_and_head(adapter, batch_ids, batch_pos, attention)
+    return torch.cat([features[r, :n] for r, n in enumerate(lengths)]), head
+
+
+def _zero_buffers(state: PathState, b: Block) -> None:
+    for layer in range(state.num_layers):
+        if state.grad_k[layer] is not None:
+            state.grad_k[layer][b.position : b.position + b.end - b.start] = 0
+            state.grad_v[layer][b.position : b.position + b.end - b.start] = 0
+
+
+def _entry_logps(plan, adapter, pack) -> torch.Tensor:
+    """Zeroed per-entry log-probs: float32, or float64 for a float64 model (or an adapter without dtype)."""
+    dtype = torch.promote_types(getattr(adapter, "dtype", torch.float64), torch.float32)
+    return torch.zeros(plan.num_entries, dtype=dtype, device=pack.input_ids.device)
+
+
 def run_dfs(adapter, pack, plan, block_tokens: int) -> dict:
     """Run one micro-batch's trie depth first; parameter gradients accumulate in ``.grad``.
 
-    Returns the entries' negative log-likelihoods and token counts:
-    ``{"entry_nll", "grad_tokens", "no_grad_tokens", "blocks", "path_bytes"}``.
+    Returns the entries' log-probs and token counts:
+    ``{"entry_logp", "grad_tokens", "no_grad_tokens", "blocks", "path_bytes"}``.
     """
     blocks = split_blocks(pack, block_tokens)
     state = PathState(adapter.num_layers, int(pack.seq_lengths.max()))
-    entry_nll = torch.zeros(plan.num_entries, dtype=torch.float64)
+    entry_logp = _entry_logps(plan, adapter, pack)
     ids, pos = pack.input_ids, pack.position_ids
     grad_tokens = no_grad_tokens = 0
     for event, group in group_sibling_leaves(visit_order(blocks), blocks, block_tokens):
         b = blocks[group[0]]
         rows = slice(b.start, b.end)
-        if event == "leaves":
-            first, last = blocks[group[0]], blocks[group[-1]]
-            span = Block(first.start, last.end, first.position, first.parent, has_children=False)
-            batch_ids, batch_pos, lengths = _leaf_batch(ids, pos, blocks, group)
-            run = BlockRun(state, span, with_grad=True)
-            logits = adapter.logits(batch_ids, batch_pos, run)
-            logits = torch.cat([logits[r, :n] for r, n in enumerate(lengths)])  # = packed rows of the span
-            loss, nll = plan.loss(logits, span.start)
-            entry_nll[plan.entries_in(span.start, span.end)] = nll
-            del logits
-            run.backward(loss)
-            grad_tokens += span.end - span.start
-            continue
         if event == "push":
-            for layer in range(state.num_layers):
-                if state.grad_k[layer] is not None:
-                    state.grad_k[layer][b.position : b.position + b.end - b.start] = 0
-                    state.grad_v[layer][b.position : b.position + b.end - b.start] = 0
+            _zero_buffers(state, b)
             with torch.no_grad():
-                adapter.logits(ids[None, rows], pos[None, rows], BlockRun(state, b, with_grad=False))
+                features_and_head(
+                    adapter, ids[None, rows], pos[None, rows], BlockRun(state, b, with_grad=False)
+                )
             no_grad_tokens += b.end - b.start
             continue
-        run = BlockRun(state, b, with_grad=True)
-        logits = adapter.logits(ids[None, rows], pos[None, rows], run)
-        loss, nll = plan.loss(logits[0], b.start)
-        entry_nll[plan.entries_in(b.start, b.end)] = nll
-        del logits
+        if event == "leaves":
+            b = _leaf_span(blocks, group)
+            run = BlockRun(state, b, with_grad=True)
+            features, head = _leaves_features(adapter, ids, pos, blocks, group, run)
+        else:
+            run = BlockRun(state, b, with_grad=True)
+            features, head = features_and_head(adapter, ids[None, rows], pos[None, rows], run)
+            features = features[0]
+        loss, logp = plan.loss(features, b.start, head)
+        entry_logp[plan.entries_in(b.start, b.end)] = logp
+        del features
         run.backward(loss)
         grad_tokens += b.end - b.start
     return {
-        "entry_nll": entry_nll,
+        "entry_logp": entry_logp,
         "grad_tokens": grad_tokens,
         "no_grad_tokens": no_grad_tokens,
         "blocks": len(blocks),
         "path_bytes": state.nbytes(),
     }
+
+
+@torch.no_grad()
+def dfs_logprobs(adapter, pack, plan, block_tokens: int, *, entropy: bool = False) -> dict:
+    """The entries' log-probs (and entropies) of one micro-batch, depth first and without autograd.
+
+    Every block runs once: a block with children is pushed (its K/V stored on the path), sibling leaves
+    run as one batch that reads the path. Memory: one block plus the path's K/V.
+    ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens"}``.
+    """
+    blocks = split_blocks(pack, block_tokens)
+    state = PathState(adapter.num_layers, int(pack.seq_lengths.max()))
+    entry_logp = _entry_logps(plan, adapter, pack)
+    entry_entropy = torch.zeros_like(entry_logp) if entropy else None
+    ids, pos = pack.input_ids, pack.position_ids
+    for event, group in group_sibling_leaves(visit_order(blocks), blocks, block_tokens):
+        if event == "pop":  # its tokens were scored when it was pushed
+            continue
+        if event == "push":
+            b = blocks[group[0]]
+            features, head = features_and_head(
+                adapter,
+                ids[None, b.start : b.end],
+                pos[None, b.start : b.end],
+                BlockRun(state, b, with_grad=False),
+            )
+            features = features[0]
+        else:
+            b = _leaf_span(blocks, group)
+            features, head = _leaves_features(adapter, ids, pos, blocks, group, PrefixRead(state, b))
+        entries, logp, ent = plan.logprobs(features, b.start, head, entropy=entropy)
+        entry_logp[entries] = logp
+        if entropy:
+            entry_entropy[entries] = ent
+    return {"entry_logp": entry_logp, "entry_entropy": entry_entropy, "no_grad_tokens": pack.num_tokens}

@@ -10,9 +10,10 @@ predict the first tokens of the node's children, one target per child. A :class:
 (position, target, summed weight) *entries*, sorted by position, so any range of packed positions (a
 whole pack, or one DFS block) finds its entries by binary search, and the loss is
 
-    L = sum_e weight[e] * (logsumexp(logits[position[e]]) - logits[position[e], target[e]]).
+    L = - sum_e weight[e] * logp[e],
+    logp[e] = logits[position[e], target[e]] - logsumexp(logits[position[e]]).
 
-It also remembers which entry each (rollout, t) pair used, to report per-rollout losses afterwards.
+It also remembers which entry each (rollout, t) pair used, to give per-rollout log-probs and losses.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .lm_head import token_logprobs
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,8 @@ class LossPlan:
     seq_offsets: torch.Tensor  # [B + 1] int64: rollout i owns seq_entry[seq_offsets[i]:seq_offsets[i + 1]]
 
     @classmethod
-    def from_pack(cls, pack, token_weights) -> LossPlan:
-        """Entries of ``pack`` (on the CPU) for per-rollout weights ``token_weights[i] [len_i]``."""
+    def from_pack(cls, pack, token_weights=None) -> LossPlan:
+        """Entries of ``pack`` (on the CPU) for weights ``token_weights[i] [len_i]`` (None: all ones)."""
         ids = pack.input_ids.cpu()
         vocab = int(ids.max()) + 1
         sources, targets, weights, offsets = [], [], [], [0]
@@ -41,7 +44,8 @@ class LossPlan:
             idx = pack.seq_index(i).cpu()
             sources.append(idx[:-1])
             targets.append(ids[idx[1:]])
-            weights.append(token_weights[i][1:].detach().to("cpu", torch.float64))
+            w = torch.ones(idx.numel()) if token_weights is None else token_weights[i]
+            weights.append(w[1:].detach().to("cpu", torch.float64))
             offsets.append(offsets[-1] + idx.numel() - 1)
         source, target, seq_weight = torch.cat(sources), torch.cat(targets), torch.cat(weights)
         keys, seq_entry = torch.unique(source * vocab + target, sorted=True, return_inverse=True)
@@ -65,42 +69,37 @@ class LossPlan:
         hi = int(torch.searchsorted(self.position, end))
         return slice(lo, hi)
 
-    def loss(self, logits: torch.Tensor, start: int, chunk_rows: int = 4096):
-        """``(loss, nll)`` for ``logits [n, V]`` of packed positions ``[start, start + n)``.
+    def logprobs(self, features: torch.Tensor, start: int, head, *, entropy: bool = False):
+        """``(entries, logp, entropy)`` for the rows ``features [n, ...]`` of packed positions
+        ``[start, start + n)``: the slice of entries they score, each entry's log-prob (differentiable when
+        autograd is on) and, with ``entropy=True``, the entropy of its next-token distribution (else None).
+        ``head`` maps feature rows to logits; :func:`treeattn_lab.engine.lm_head.token_logprobs` runs it by
+        chunks of rows."""
+        entries = self.entries_in(start, start + features.shape[0])
+        rows = (self.position[entries] - start).to(features.device)
+        targets = self.target[entries].to(features.device)
+        logp, ent = token_logprobs(head, features[rows], targets, entropy=entropy)
+        return entries, logp, ent
 
-        ``loss`` is the weighted sum (a differentiable scalar, None when no entry falls in the range);
-        ``nll [e]`` the detached negative log-likelihood of each entry in the range. The log-sum-exp runs
-        in float32 (float64 for float64 logits) by chunks of rows to bound the temporary memory.
-        """
-        entries = self.entries_in(start, start + logits.shape[0])
+    def loss(self, features: torch.Tensor, start: int, head):
+        """``(loss, logp)``: ``loss = -sum_e weight[e] * logp[e]`` over the entries of the rows (a
+        differentiable scalar, None when no entry falls in the range) and their detached log-probs."""
+        entries, logp, _ = self.logprobs(features, start, head)
         if entries.start == entries.stop:
-            return None, torch.zeros(0, dtype=torch.float64)
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        rows = (self.position[entries] - start).to(logits.device)
-        targets = self.target[entries].to(logits.device)
-        picked = logits[rows, targets].to(dtype)
-        lse = torch.cat([torch.logsumexp(c.to(dtype), dim=-1) for c in logits.split(chunk_rows)])
-        nll = lse[rows] - picked
-        loss = (self.weight[entries].to(logits.device, dtype) * nll).sum()
-        return loss, nll.detach().to("cpu", torch.float64)
+            return None, logp.detach()
+        loss = -(self.weight[entries].to(features.device, logp.dtype) * logp).sum()
+        return loss, logp.detach()
 
-    def sequence_losses(self, entry_nll: torch.Tensor) -> torch.Tensor:
-        """Per-rollout losses ``[B]`` (float64) from every entry's negative log-likelihood."""
-        per_pair = self.seq_weight * entry_nll[self.seq_entry]
+    def sequence_values(self, entry_values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-rollout 1-D tensors ``[len_i - 1]`` of an entry quantity (log-probs, entropies), in order.
+
+        Differentiable: gradients flow back to ``entry_values``.
+        """
+        pairs = entry_values[self.seq_entry.to(entry_values.device)]
+        return list(pairs.split(self.seq_offsets.diff().tolist()))
+
+    def sequence_losses(self, entry_logp: torch.Tensor) -> torch.Tensor:
+        """Per-rollout losses ``[B]`` (float64, CPU) from every entry's log-prob."""
+        per_pair = -self.seq_weight * entry_logp.detach().to("cpu", torch.float64)[self.seq_entry]
         owner = torch.repeat_interleave(torch.arange(self.seq_offsets.numel() - 1), self.seq_offsets.diff())
         return torch.zeros(self.seq_offsets.numel() - 1, dtype=torch.float64).index_add_(0, owner, per_pair)
-
-
-def flat_losses(logits: torch.Tensor, input_ids: torch.Tensor, lengths, token_weights):
-    """``(loss, per_rollout)`` for a right-padded batch: ``logits [B, L, V]``, ``input_ids [B, L]``."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    losses = []
-    for b, (n, w) in enumerate(zip(lengths, token_weights, strict=True)):
-        if n < 2:
-            losses.append(logits.new_zeros((), dtype=dtype))
-            continue
-        rows = logits[b, : n - 1].to(dtype)
-        nll = torch.logsumexp(rows, dim=-1) - rows.gather(-1, input_ids[b, 1:n, None]).squeeze(-1)
-        losses.append((w[1:n].to(logits.device, dtype) * nll).sum())
-    per_rollout = torch.stack(losses)
-    return per_rollout.sum(), per_rollout.detach().to("cpu", torch.float64)

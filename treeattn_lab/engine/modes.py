@@ -6,6 +6,8 @@
   token is computed once, but the activations of the whole micro-batch are alive at once.
 - ``dfs``: path materialization (:mod:`treeattn_lab.engine.dfs`): each tree token computed once with
   gradients, memory of one block.
+
+Each also returns the rollouts' log-probs (``logps``, detached, in the micro-batch's order).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from . import attention
+from .adapters import features_and_head
 from .dfs import run_dfs
-from .loss_plan import LossPlan, flat_losses
+from .lm_head import token_logprobs
+from .loss_plan import LossPlan
 
 MODES = ("flat", "packed", "dfs")
 
@@ -32,42 +36,79 @@ def flat_chunks(lengths: list[int], token_budget: int | None) -> list[list[int]]
     return chunks
 
 
+def _causal(layer, q, k, v, scale):
+    return attention.causal(q, k, v, scale)
+
+
+def flat_token_logprobs(adapter, seqs: list[list[int]], *, entropy: bool = False):
+    """``(logps, entropies)``: per rollout ``[len - 1]`` log-probs (differentiable when autograd is on) and
+    entropies (None without ``entropy``) of rollouts right-padded into one causal batch."""
+    lengths = [len(s) for s in seqs]
+    ids = torch.zeros(len(seqs), max(lengths), dtype=torch.int64)
+    for r, s in enumerate(seqs):
+        ids[r, : lengths[r]] = torch.tensor(s)
+    ids = ids.to(adapter.device)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    features, head = features_and_head(adapter, ids, pos, _causal)
+    counts = [n - 1 for n in lengths]
+    rows = torch.cat([features[r, :c] for r, c in enumerate(counts)])
+    targets = torch.cat([ids[r, 1 : c + 1] for r, c in enumerate(counts)])
+    logp, ent = token_logprobs(head, rows, targets, entropy=entropy)
+    return list(logp.split(counts)), (list(ent.split(counts)) if entropy else [None] * len(seqs))
+
+
+def packed_token_logprobs(adapter, pack, plan: LossPlan, *, backend: str = "auto", entropy: bool = False):
+    """``(entry_logp, entry_entropy)`` of ``plan``'s entries: the whole pack as one row, tree attention."""
+    tree = attention.packed_tree(pack, backend)
+
+    def attend(layer, q, k, v, scale):
+        return tree(q, k, v, scale)
+
+    features, head = features_and_head(adapter, pack.input_ids[None], pack.position_ids[None], attend)
+    _, entry_logp, entry_entropy = plan.logprobs(features[0], 0, head, entropy=entropy)
+    return entry_logp, entry_entropy
+
+
+def _linear_loss(logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return -(weights[1:].to(logp.device, logp.dtype) * logp).sum()
+
+
 def run_flat(adapter, micro_batch, weights, *, token_budget: int | None) -> dict:
     """Every rollout on its own, right-padded into batches of at most ``token_budget`` padded tokens."""
-    device = adapter.device
     seqs = micro_batch.trie.sequences()
     chunks = flat_chunks([len(s) for s in seqs], token_budget)
     losses = torch.zeros(len(seqs), dtype=torch.float64)
+    logps: list[torch.Tensor | None] = [None] * len(seqs)
     for chunk in chunks:
-        lengths = [len(seqs[j]) for j in chunk]
-        ids = torch.zeros(len(chunk), max(lengths), dtype=torch.int64)
-        for r, j in enumerate(chunk):
-            ids[r, : lengths[r]] = torch.tensor(seqs[j])
-        ids = ids.to(device)
-        pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
-        logits = adapter.logits(ids, pos, lambda layer, q, k, v, scale: attention.causal(q, k, v, scale))
-        loss, per_rollout = flat_losses(logits, ids, lengths, [weights[j] for j in chunk])
-        del logits
+        chunk_logps, _ = flat_token_logprobs(adapter, [seqs[j] for j in chunk])
+        per_rollout = [_linear_loss(lp, weights[j]) for j, lp in zip(chunk, chunk_logps, strict=True)]
+        loss = torch.stack(per_rollout).sum()
         if loss.requires_grad:  # a chunk of one-token rollouts has nothing to predict
             loss.backward()
-        losses[chunk] = per_rollout
+        losses[chunk] = torch.stack(per_rollout).detach().to("cpu", torch.float64)
+        for j, lp in zip(chunk, chunk_logps, strict=True):
+            logps[j] = lp.detach()
     tokens = sum(len(s) for s in seqs)
-    return {"losses": losses, "grad_tokens": tokens, "no_grad_tokens": 0, "chunks": len(chunks)}
+    return {
+        "losses": losses,
+        "logps": logps,
+        "grad_tokens": tokens,
+        "no_grad_tokens": 0,
+        "chunks": len(chunks),
+    }
 
 
 def run_packed(adapter, micro_batch, weights, *, backend: str = "auto") -> dict:
     pack = micro_batch.trie.pack().to(adapter.device)
     plan = LossPlan.from_pack(pack, weights)
-    tree = attention.packed_tree(pack, backend)
-    logits = adapter.logits(
-        pack.input_ids[None], pack.position_ids[None], lambda layer, q, k, v, scale: tree(q, k, v, scale)
-    )
-    loss, nll = plan.loss(logits[0], 0)
-    del logits
-    if loss is not None and loss.requires_grad:  # no trainable parameter: nothing to send back
+    entry_logp, _ = packed_token_logprobs(adapter, pack, plan, backend=backend)
+    loss = -(plan.weight.to(entry_logp.device, entry_logp.dtype) * entry_logp).sum()
+    if loss.requires_grad:  # no trainable parameter: nothing to send back
         loss.backward()
+    entry_logp = entry_logp.detach()
     return {
-        "losses": plan.sequence_losses(nll),
+        "losses": plan.sequence_losses(entry_logp),
+        "logps": plan.sequence_values(entry_logp),
         "grad_tokens": pack.num_tokens,
         "no_grad_tokens": 0,
     }
@@ -77,5 +118,7 @@ def run_dfs_mode(adapter, micro_batch, weights, *, block_tokens: int) -> dict:
     pack = micro_batch.trie.pack().to(adapter.device)
     plan = LossPlan.from_pack(pack, weights)
     out = run_dfs(adapter, pack, plan, block_tokens)
-    out["losses"] = plan.sequence_losses(out.pop("entry_nll"))
+    entry_logp = out.pop("entry_logp")
+    out["losses"] = plan.sequence_losses(entry_logp)
+    out["logps"] = plan.sequence_values(entry_logp)
     return out
