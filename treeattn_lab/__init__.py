@@ -1,7 +1,12 @@
 """treeattn_lab: stop wasting attention compute when training LLMs.
 
-- Tree attention for RL rollouts: :class:`RolloutTrie`, :class:`TreePack`, :func:`tree_attention`.
+- Tree attention for RL rollouts: :class:`RolloutTrie`, :class:`TreePack`, :func:`tree_attention`;
+  training over a trie in :mod:`treeattn_lab.engine`, across ranks in :mod:`treeattn_lab.distributed`.
+- Dynamic sparse and dilated attention: :func:`sparse_attention`, :func:`dilated_attention`, their
+  patterns in :mod:`treeattn_lab.patterns`.
 - Readable references in :mod:`treeattn_lab.reference`; Triton kernels in :mod:`treeattn_lab.kernels`.
+- Notebook helpers (drawings, monitor, exercises) in :mod:`treeattn_lab.lab`, which alone needs the
+  ``lab`` extra.
 """
 
 from .runtime import configure_triton, link_source_kernels
