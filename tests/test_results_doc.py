@@ -99,3 +99,17 @@ def test_numbers_are_formatted_from_the_json():
     assert report.fmt(True) == "yes"
     assert report.fmt(7) == "7"
     assert report.fmt("a|b") == "a\\|b"
+
+
+def test_the_command_line_exit_status(results_copy, capsys):
+    from treeattn_lab.__main__ import main
+
+    folder, doc = results_copy
+    argv = ["results", "--results-dir", str(folder), "--out", str(doc)]
+    assert main([*argv, "--check"]) == 0
+    doc.write_text("stale\n")
+    assert main([*argv, "--check"]) == 1
+    assert doc.read_text() == "stale\n"
+    assert main(argv) == 0
+    assert main([*argv, "--check"]) == 0
+    capsys.readouterr()

@@ -3,7 +3,7 @@
 A chrome trace (``prof.export_chrome_trace``) holds every CPU op, runtime call and GPU activity of a
 profiled region, a few MB for one ring step. :func:`gpu_timeline` keeps only the GPU side (kernels, copies,
 memsets) longer than a threshold, as small rows that can be committed beside a benchmark's JSON and drawn
-(:func:`treeattn_lab.lab.sparse_viz.draw_gpu_timeline`): overlap of communication and compute is then
+(:func:`treeattn_lab.lab.viz.draw_gpu_timeline`): overlap of communication and compute is then
 something to look at rather than infer from totals.
 """
 
