@@ -4,8 +4,13 @@ rescaling from measured micro-batches (also through the distributed probe, on a 
 
 from __future__ import annotations
 
+import copy
+import errno
+import json
 import math
 import random
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +20,7 @@ from treeattn_lab import RolloutTrie
 from treeattn_lab.datasets import load_trie
 from treeattn_lab.distributed.balance import BEST, EngineCost, balance
 from treeattn_lab.distributed.train import predicted_for_modes_run, refine_cost_model
-from treeattn_lab.engine import CostModel, MicroBatchShape, plan_micro_batches
+from treeattn_lab.engine import CostModel, MicroBatchShape, calibrate, calibration, plan_micro_batches
 from treeattn_lab.engine.calibration import calibration_tries
 from treeattn_lab.engine.cost_model import MAX_PLAUSIBLE_FLOPS, MODES, fit_time, model_work
 from treeattn_lab.engine.nnls import COND_LIMIT
@@ -328,3 +333,218 @@ def test_refine_takes_numpy_seconds_like_floats():
     assert as_numpy.keys() == as_float.keys()
     for mode, coefs in as_float.items():
         assert as_numpy[mode] == pytest.approx(coefs, rel=1e-6)
+
+
+# ------------------------------------------------------------------- calibration faults and the cache
+TRUTH = {"flat": [0.01, 1e-5, 1e-8, 0.0], "packed": [0.02, 1e-5, 2e-8, 0.0], "dfs": [0.03, 2e-5, 2e-8, 0.004]}
+
+
+def tiny_model(checkpointing: bool = False) -> TinyLM:
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48))
+    model.gradient_checkpointing = checkpointing
+    return model
+
+
+@pytest.fixture
+def fake_device(monkeypatch, tmp_path):
+    """``tree_backward`` replaced by a device whose times are exactly TRUTH . features (calls counted),
+    and the cache in a fresh folder."""
+    monkeypatch.setenv("TREEATTN_CACHE", str(tmp_path))
+    calls = {"n": 0, "fail_at": None, "peak_bytes": None}
+
+    def fake_tree_backward(model, trie, token_weights, *, mode, block_tokens, token_budget):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("out of memory")
+        for p in model.parameters():  # what a real call does to .grad
+            p.grad = torch.zeros_like(p)
+        features = MicroBatchShape.of(trie, block_tokens, token_budget).time_features(mode)
+        seconds = sum(a * f for a, f in zip(TRUTH[mode], features, strict=True))
+        report = SimpleNamespace(time_s=seconds, peak_memory_bytes=calls["peak_bytes"])
+        return SimpleNamespace(report=report)
+
+    monkeypatch.setattr(calibration, "tree_backward", fake_tree_backward)
+    return calls
+
+
+SETTINGS = {"block_tokens": 16, "scale_tokens": 64}
+
+
+def test_a_full_calibration_is_calibrated_and_cached(fake_device, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        fitted = calibrate(tiny_model(), **SETTINGS, progress=False)
+    assert fitted.calibrated
+    report = fitted.fit_info["calibration"]
+    assert report["not_measured"] == [] and len(report["measured"]) == len(calibration.CALIBRATION_DESIGN)
+    assert {fitted.fit_info[m]["method"] for m in MODES} <= {"nnls", "physical"}
+    assert all(fitted.fit_info[m]["memory"] == "prior" for m in MODES)  # no peak memory on this device
+    with pytest.raises(ValueError, match="memory was not measured"):
+        fitted.choose(small_shapes(1, seed=0)[0], memory_limit=1e9)
+    assert len(list(tmp_path.rglob("*.json"))) == 1
+    n = fake_device["n"]
+    assert calibrate(tiny_model(), **SETTINGS, progress=False).to_dict() == fitted.to_dict()
+    assert fake_device["n"] == n  # from the cache
+
+
+def test_measured_peak_memory_is_fitted(fake_device):
+    fake_device["peak_bytes"] = 2**30
+    fitted = calibrate(tiny_model(), **SETTINGS, progress=False, use_cache=False)
+    assert all(fitted.fit_info[m]["memory"] == "nnls" for m in MODES)
+    mode, _ = fitted.choose(small_shapes(1, seed=0)[0], memory_limit=2**31)
+    assert mode in MODES
+
+
+def test_a_calibration_cut_short_says_what_it_could_not_fit(fake_device, tmp_path):
+    with pytest.warns(UserWarning, match=r"measured 1 of 9 calibration tries.*flat: proportional"):
+        fitted = calibrate(tiny_model(), **SETTINGS, seconds=0.0, progress=False)
+    assert not fitted.calibrated
+    report = fitted.fit_info["calibration"]
+    names = [row[0] for row in calibration.CALIBRATION_DESIGN]
+    assert report["measured"] == names[:1] and report["not_measured"] == names[1:]
+    assert report["stopped_by_time_limit"]
+    assert all(fitted.fit_info[m]["method"] == "proportional" for m in MODES)
+    assert fitted.samples == 3
+    assert not list(tmp_path.rglob("*.json")), "an incomplete calibration is not cached"
+    with pytest.raises(ValueError, match="calibrated cost model"):
+        fitted.choose(small_shapes(1, seed=0)[0], memory_limit=1e9)
+
+
+class RecordingBar:
+    """A stand-in for tqdm that records whether it was closed."""
+
+    made: list[RecordingBar] = []
+
+    def __init__(self, iterable, **kwargs):
+        self.iterable, self.closed = iterable, False
+        RecordingBar.made.append(self)
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("how", ["time limit", "a failing run", "all tries"])
+def test_the_progress_bar_is_closed_in_every_case(fake_device, monkeypatch, how):
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)
+    RecordingBar.made = []
+    model = tiny_model()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    if how == "a failing run":
+        fake_device["fail_at"] = 5  # after the warm-up, inside the first trie
+        with pytest.raises(RuntimeError, match="out of memory"):
+            calibrate(model, **SETTINGS, use_cache=False)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            calibrate(model, **SETTINGS, seconds=0.0 if how == "time limit" else 60.0, use_cache=False)
+    assert len(RecordingBar.made) == 1 and RecordingBar.made[0].closed
+    assert all(torch.all(p.grad == 7.0) for p in model.parameters())  # gradients restored
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        '{"time": {"flat": [0.0, 1',  # cut off mid-write
+        "",
+        "\x00\x00\x00",
+        json.dumps({"time": 1}),
+        json.dumps({**calibrated_model().to_dict(), "time": {**TRUTH, "flat": [math.nan, 1e-5, 0.0, 0.0]}}),
+    ],
+)
+def test_an_unreadable_cache_entry_is_a_miss_and_is_overwritten(fake_device, entry):
+    model = tiny_model()
+    path = calibration.cache_path(model, SETTINGS["block_tokens"], None, SETTINGS["scale_tokens"])
+    path.parent.mkdir(parents=True)
+    path.write_text(entry)
+    fitted = calibrate(model, **SETTINGS, progress=False)
+    assert fitted.calibrated and fake_device["n"] > 0
+    assert CostModel.from_dict(json.loads(path.read_text())).to_dict() == fitted.to_dict()
+
+
+def test_a_failed_cache_write_leaves_no_partial_entry(fake_device, monkeypatch, tmp_path):
+    model = tiny_model()
+
+    def dump_then_fail(obj, f, **kwargs):  # a disk that fills up halfway through the write
+        f.write(json.dumps(obj, **kwargs)[:20])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", dump_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        calibrate(model, **SETTINGS, progress=False)
+    monkeypatch.undo()
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    monkeypatch.setenv("TREEATTN_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "tree_backward", calibration.tree_backward)
+    assert calibrate(model, **SETTINGS, progress=False, use_cache=True).calibrated
+
+
+def test_the_cache_key_sees_gradient_checkpointing(fake_device):
+    plain, checkpointed = tiny_model(), tiny_model(checkpointing=True)
+    key = (SETTINGS["block_tokens"], None, SETTINGS["scale_tokens"])
+    assert calibration.cache_path(plain, *key) != calibration.cache_path(checkpointed, *key)
+    calibrate(plain, **SETTINGS, progress=False)
+    n = fake_device["n"]
+    calibrate(checkpointed, **SETTINGS, progress=False)
+    assert fake_device["n"] > n, "a calibration without checkpointing is not reused with it"
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"time": {**TRUTH, "flat": [math.nan, 1e-5, 0.0, 0.0]}}, ValueError, r"time\['flat'\]\[0\] is nan"),
+        ({"time": {**TRUTH, "dfs": [0.0, -1e-5, 0.0, 0.0]}}, ValueError, r"time\['dfs'\]\[1\] is -1e-05"),
+        (
+            {"time": {**TRUTH, "packed": [0.0, "1e-5", 0.0, 0.0]}},
+            TypeError,
+            r"time\['packed'\]\[1\] is '1e-5'",
+        ),
+        ({"time": {**TRUTH, "packed": [0.0, True, 0.0, 0.0]}}, TypeError, r"time\['packed'\]\[1\] is True"),
+        ({"time": {**TRUTH, "flat": [0.0, 1e-5]}}, ValueError, r"time\['flat'\] must hold 4 coefficients"),
+        (
+            {"time": {"flat": TRUTH["flat"]}},
+            ValueError,
+            r"time must give every mode.*missing \['packed', 'dfs'\]",
+        ),
+        ({"time": {**TRUTH, "tree": TRUTH["flat"]}}, ValueError, r"unknown modes \['tree'\]"),
+        ({"time": "fast"}, TypeError, "time must be a dict"),
+        ({"memory": {m: [0.0, math.inf, 0.0] for m in MODES}}, ValueError, r"memory\['flat'\]\[1\] is inf"),
+        ({"calibrated": "yes"}, TypeError, "calibrated must be a bool"),
+        ({"samples": -1}, ValueError, "samples must be at least 0"),
+    ],
+)
+def test_cost_model_refuses_bad_coefficients(change, error, match):
+    with pytest.raises(error, match=match):
+        CostModel(**change)
+    data = {**CostModel().to_dict(), **change}
+    snapshot = copy.deepcopy(data)
+    with pytest.raises(error, match=match):
+        CostModel.from_dict(data)
+    assert data == snapshot
+
+
+def test_cost_model_copies_what_it_is_given():
+    time = copy.deepcopy(TRUTH)
+    model = CostModel(time=time)
+    time["flat"][1] = 5.0
+    assert model.time["flat"][1] == 1e-5
+    with pytest.raises(ValueError, match="not a saved CostModel.*'memory'"):
+        CostModel.from_dict({"time": TRUTH})
+
+
+def test_fit_lets_the_constant_carry_calls_that_never_change():
+    # flat mode without a token budget runs one model call per micro-batch: the calls column equals the
+    # constant column, which NNLS cannot separate; the fit folds the calls into the constant
+    A = random_features(9, seed=5)
+    A[:, 3] = 1.0
+    b = A @ torch.tensor([0.02, 1.3e-5, 7e-10, 0.09], dtype=torch.float64)
+    coef, info = fit_time(A, b, WORK)
+    assert info["method"] == "nnls" and info["rel_rms_residual"] < 1e-9
+    assert coef[0] == pytest.approx(0.11) and coef[3] == 0.0
+    assert coef[1] == pytest.approx(1.3e-5) and coef[2] == pytest.approx(7e-10)

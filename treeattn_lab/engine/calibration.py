@@ -19,16 +19,18 @@ import json
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_writer
 from ..trie import RolloutTrie
 from .adapters import adapt
 from .cost_model import MODES, CostModel, MicroBatchShape, model_work
 from .tree_backward import tree_backward
 
-CALIBRATION_VERSION = 2  # part of the cache key: calibrations of older designs are not reused
+CALIBRATION_VERSION = 3  # part of the cache key: calibrations of older designs are not reused
 
 
 def _device_label(device: torch.device) -> str:
@@ -46,16 +48,24 @@ def cache_path(
     model, block_tokens: int, token_budget: int | None = None, scale_tokens: int | None = None
 ) -> Path:
     """Where a calibration is cached: per model architecture (class, parameter shapes and dtype), device,
-    engine settings, calibration design version and torch version."""
+    gradient checkpointing (it recomputes every layer in backward), engine settings, calibration design
+    version and torch version."""
     first = next(model.parameters())
     shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
     arch = hashlib.sha256(f"{type(model).__name__}|{shapes}".encode()).hexdigest()[:16]
     key = f"{type(model).__name__}-{arch}-{first.dtype}-{_device_label(first.device)}"
+    key += "-checkpointed" if _gradient_checkpointing(model) else ""
     key += f"-block{block_tokens}-budget{token_budget}-scale{_scale(token_budget, scale_tokens)}"
     key += f"-v{CALIBRATION_VERSION}-torch{torch.__version__}"
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
     root = Path(os.environ.get("TREEATTN_CACHE", Path.home() / ".cache" / "treeattn_lab"))
     return root / "cost_models" / f"{safe}.json"
+
+
+def _gradient_checkpointing(model) -> bool:
+    """Whether any module of ``model`` recomputes its layers in backward (TinyLM sets
+    ``gradient_checkpointing`` on itself, a Hugging Face model on its inner model)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def branching_trie(
@@ -181,29 +191,70 @@ def calibrate(
     trie, not fitted (kernel compilation, library start-up). Then the tries are measured in order; none
     starts after ``seconds`` (counted from the warm-up on), but at least one is measured. Flat and packed
     keep the fastest of ``repeats`` runs (a new size can still compile a kernel variant), dfs (several
-    times slower) runs once. Existing ``.grad`` of the model's parameters are saved and restored. The
-    result is cached per model signature, device and settings.
+    times slower) runs once. Existing ``.grad`` of the model's parameters are saved and restored, and the
+    progress bar is closed, whatever happens.
+
+    The result says what it could fit: ``fit_info["calibration"]`` names the tries measured and those
+    the time limit left out, ``fit_info[mode]`` how each mode was fitted. Where some mode's time was not
+    identified, the model is not ``calibrated``, a warning says what is missing and nothing is cached
+    (the next call measures again). Otherwise the model is cached (:func:`cache_path`; the write is
+    atomic); an entry that cannot be read back counts as missing and is overwritten.
     """
     scale = _scale(token_budget, scale_tokens)
     path = cache_path(model, block_tokens, token_budget, scale)
-    if use_cache and path.exists():
-        return CostModel.from_dict(json.loads(path.read_text()))
+    cached = _read_cache(path) if use_cache else None
+    if cached is not None:
+        return cached
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size  # TinyLM or HF
     tries = calibration_tries(scale, vocab=vocab, seed=seed, max_length=_longest_allowed(model, scale))
     settings = {"block_tokens": block_tokens, "token_budget": token_budget}
     saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
     try:
-        samples = _measure(model, tries, settings, seconds=seconds, repeats=repeats, progress=progress)
+        samples, measured = _measure(
+            model, tries, settings, seconds=seconds, repeats=repeats, progress=progress
+        )
     finally:
         for p, g in saved.items():
             p.grad = g
     fitted = CostModel.fit(
         samples, device=_device_label(next(model.parameters()).device), work=model_work(model)
     )
-    if use_cache:
+    names = [name for name, _ in tries]
+    fitted.fit_info["calibration"] = {
+        "measured": names[:measured],
+        "not_measured": names[measured:],
+        "seconds": seconds,
+        "stopped_by_time_limit": measured < len(names),
+    }
+    if not fitted.calibrated:
+        warnings.warn(_shortfall(fitted), stacklevel=2)
+    elif use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(fitted.to_dict(), indent=1))
+        with atomic_writer(path) as f:
+            json.dump(fitted.to_dict(), f, indent=1)
     return fitted
+
+
+def _read_cache(path: Path) -> CostModel | None:
+    """The model cached at ``path``; None where there is none or it cannot be read back (cut off,
+    corrupt, invalid coefficients), so that :func:`calibrate` measures again and overwrites it."""
+    try:
+        return CostModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):  # JSON and Unicode decode errors are ValueErrors
+        return None
+
+
+def _shortfall(fitted: CostModel) -> str:
+    """What an incomplete calibration could and could not fit, in one sentence for a warning."""
+    report = fitted.fit_info["calibration"]
+    done, total = len(report["measured"]), len(report["measured"]) + len(report["not_measured"])
+    methods = ", ".join(f"{m}: {fitted.fit_info.get(m, {}).get('method', 'prior')}" for m in MODES)
+    limit = f" within its time limit of {report['seconds']} s" if report["stopped_by_time_limit"] else ""
+    return (
+        f"calibrate() measured {done} of {total} calibration tries{limit}; time fits {methods} (only nnls "
+        "and physical fits are identified by the measurements). The cost model is not calibrated and not "
+        "cached: give calibrate() more seconds (or a smaller scale_tokens)."
+    )
 
 
 def _run(model, trie: RolloutTrie, mode: str, settings: dict) -> tuple[float, int | None]:
@@ -212,31 +263,39 @@ def _run(model, trie: RolloutTrie, mode: str, settings: dict) -> tuple[float, in
     return report.time_s, report.peak_memory_bytes
 
 
-def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, progress: bool) -> list[dict]:
-    """The samples of :meth:`CostModel.fit`: every mode on each trie, in order, until ``seconds`` pass."""
-    iterator = tries
+def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, progress: bool):
+    """The samples of :meth:`CostModel.fit` (every mode on each trie, in order, until ``seconds`` have
+    passed) and how many tries were measured."""
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(tries, desc="calibrating cost model", leave=False)
-    samples = []
-    start = time.perf_counter()
-    smallest = min((t for _, t in tries), key=lambda t: sum(len(n.tokens) for n in t.nodes))
-    for mode in MODES:  # warm-up, not fitted
-        _run(model, smallest, mode, settings)
-    for _, trie in iterator:
-        if samples and time.perf_counter() - start > seconds:
-            break
-        shape = MicroBatchShape.of(trie, settings["block_tokens"], settings["token_budget"])
-        for mode in MODES:
-            runs = [_run(model, trie, mode, settings) for _ in range(1 if mode == "dfs" else max(1, repeats))]
-            samples.append(
-                {
-                    "mode": mode,
-                    "time_features": shape.time_features(mode),
-                    "memory_features": shape.memory_features(mode),
-                    "time_s": min(t for t, _ in runs),
-                    "peak_bytes": runs[-1][1],
-                }
-            )
-    return samples
+        bar = tqdm(tries, desc="calibrating cost model", leave=False)
+    samples, measured = [], 0
+    try:
+        start = time.perf_counter()
+        smallest = min((t for _, t in tries), key=lambda t: sum(len(n.tokens) for n in t.nodes))
+        for mode in MODES:  # warm-up, not fitted
+            _run(model, smallest, mode, settings)
+        for _, trie in tries if bar is None else bar:
+            if samples and time.perf_counter() - start > seconds:
+                break
+            shape = MicroBatchShape.of(trie, settings["block_tokens"], settings["token_budget"])
+            for mode in MODES:
+                runs = [
+                    _run(model, trie, mode, settings) for _ in range(1 if mode == "dfs" else max(1, repeats))
+                ]
+                samples.append(
+                    {
+                        "mode": mode,
+                        "time_features": shape.time_features(mode),
+                        "memory_features": shape.memory_features(mode),
+                        "time_s": min(t for t, _ in runs),
+                        "peak_bytes": runs[-1][1],
+                    }
+                )
+            measured += 1
+    finally:
+        if bar is not None:
+            bar.close()
+    return samples, measured

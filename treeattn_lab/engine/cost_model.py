@@ -47,12 +47,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..checks import check_int
 from ..trie import RolloutTrie
 from .dfs import group_sibling_leaves, split_blocks, visit_order
 from .modes import MODES, flat_chunks
 from .nnls import nnls, nnls_normalized
 
 TIME_FEATURES = ("micro_batch", "tokens", "attention_pairs", "model_calls")
+MEMORY_FEATURES = 3  # constant, held tokens, path tokens (see MicroBatchShape.memory_features)
 
 MAX_PLAUSIBLE_FLOPS = 2.5e15  # FLOP/s: above the dense bf16 rate of any accelerator today (B200: 2.25e15)
 TOKEN_FLOPS_PER_WEIGHT = 6  # a trained token: 2 FLOPs per matmul weight forward, 4 backward
@@ -142,6 +144,31 @@ def _prior() -> dict:
     }
 
 
+def _coefficient_table(name: str, table, width: int) -> dict[str, list[float]]:
+    """A copy of ``table`` (mode -> ``width`` coefficients) as floats, refusing anything but one finite,
+    non-negative real number per coefficient for exactly the modes of :data:`MODES`."""
+    if not isinstance(table, dict):
+        raise TypeError(f"{name} must be a dict of mode -> coefficients, got {type(table).__name__}")
+    missing = [m for m in MODES if m not in table]
+    unknown = [m for m in table if m not in MODES]
+    if missing or unknown:
+        raise ValueError(
+            f"{name} must give every mode of {MODES} and no other: missing {missing}, unknown modes {unknown}"
+        )
+    out = {}
+    for mode in MODES:
+        coefs = table[mode]
+        if isinstance(coefs, (str, bytes, dict)) or not hasattr(coefs, "__len__") or len(coefs) != width:
+            raise ValueError(f"{name}[{mode!r}] must hold {width} coefficients, got {coefs!r}")
+        for j, c in enumerate(coefs):
+            if isinstance(c, bool) or not isinstance(c, numbers.Real):
+                raise TypeError(f"{name}[{mode!r}][{j}] is {c!r}; coefficients must be real numbers")
+            if not (math.isfinite(c) and c >= 0):
+                raise ValueError(f"{name}[{mode!r}][{j}] is {c!r}; coefficients must be finite and >= 0")
+        out[mode] = [float(c) for c in coefs]
+    return out
+
+
 # ------------------------------------------------------------------------------------------- physics
 def _first_attr(obj, *names):
     for name in names:
@@ -183,8 +210,10 @@ def fit_time(A, b, work: dict | None = None) -> tuple[list[float], dict]:
     """One mode's time coefficients from features ``A [n, 4]`` (:data:`TIME_FEATURES`) and seconds ``b``.
 
     NNLS where the measurements identify the four coefficients, else the physical fallbacks of the module
-    docstring. For a known model (``work`` from :func:`model_work`) the token and pair slopes are held at
-    or above their FLOPs at :data:`MAX_PLAUSIBLE_FLOPS`: no device computes them faster. Returns the
+    docstring. Where every measurement made the same number of model calls, the constant carries them
+    (the model-calls coefficient is 0). For a known model (``work`` from :func:`model_work`) the token
+    and pair slopes are held at or above their FLOPs at :data:`MAX_PLAUSIBLE_FLOPS`: no device computes
+    them faster. Returns the
     coefficients and how they were found: ``method`` (``"nnls"``, ``"physical"`` or ``"proportional"``),
     the condition number of the NNLS features, the relative RMS residual on the measurements and, for a
     known model, the throughput the per-token slope implies (``tflops``).
@@ -196,6 +225,9 @@ def fit_time(A, b, work: dict | None = None) -> tuple[list[float], dict]:
         raise ValueError(f"need features [n >= 1, {len(TIME_FEATURES)}] and n times, got shapes {shape}")
     if not (torch.isfinite(A).all() and torch.isfinite(b).all()) or (A < 0).any() or (b <= 0).any():
         raise ValueError("features must be finite and >= 0, times finite and > 0")
+    if bool((A[:, 3] == A[0, 3]).all()):  # the same model calls in every measurement (flat without a
+        # budget runs one call): no fit can tell them from the constant, which carries them
+        A = torch.cat([A[:, :3], torch.zeros_like(A[:, 3:])], 1)
     known = bool(work and work.get("known"))
     per_token = work["flops_per_token"] if work else 1.0
     per_pair = work["flops_per_pair"] if work else DEFAULT_PAIR_TOKEN_RATIO
@@ -225,8 +257,12 @@ def fit_time(A, b, work: dict | None = None) -> tuple[list[float], dict]:
 class CostModel:
     """Per-mode linear predictors of time (seconds) and peak memory (bytes; relative under the prior).
 
-    ``fit_info``: per mode, how :meth:`fit` found its time coefficients (see :func:`fit_time`), and the
-    model's FLOPs (``"work"``); ``refinement``: what :meth:`refine` changed, None if never refined.
+    ``time[mode]``: the :data:`TIME_FEATURES` coefficients of every mode, ``memory[mode]``: its three memory
+    coefficients; all finite and >= 0 (checked, and copied, on construction). ``calibrated``: every mode's
+    time was identified by measurements (:meth:`fit`). ``fit_info``: per mode, how :meth:`fit` found its
+    time coefficients (see :func:`fit_time`) and whether its memory was measured (``"memory"``: ``"nnls"``
+    or ``"prior"``), the model's FLOPs (``"work"``) and, after :func:`~treeattn_lab.engine.calibrate`, what
+    it measured (``"calibration"``); ``refinement``: what :meth:`refine` changed, None if never refined.
     """
 
     time: dict = field(default_factory=lambda: _prior()["time"])
@@ -236,6 +272,19 @@ class CostModel:
     device: str = "any"
     fit_info: dict = field(default_factory=dict)
     refinement: dict | None = None
+
+    def __post_init__(self):
+        self.time = _coefficient_table("time", self.time, len(TIME_FEATURES))
+        self.memory = _coefficient_table("memory", self.memory, MEMORY_FEATURES)
+        if not isinstance(self.calibrated, bool):
+            raise TypeError(f"calibrated must be a bool, got {type(self.calibrated).__name__}")
+        check_int("samples", self.samples, minimum=0)
+        if not isinstance(self.device, str):
+            raise TypeError(f"device must be a str, got {type(self.device).__name__}")
+        if not isinstance(self.fit_info, dict) or not isinstance(self.refinement, (dict, type(None))):
+            raise TypeError("fit_info must be a dict and refinement a dict or None")
+        self.fit_info = copy.deepcopy(self.fit_info)
+        self.refinement = copy.deepcopy(self.refinement)
 
     def predict(self, shape: MicroBatchShape, mode: str):
         """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``."""
@@ -248,9 +297,19 @@ class CostModel:
     def choose(
         self, shape: MicroBatchShape, *, memory_limit: float | None = None, modes: tuple[str, ...] = MODES
     ) -> tuple[str, dict]:
-        """The fastest of ``modes`` whose predicted peak fits ``memory_limit``; and every prediction."""
+        """The fastest of ``modes`` whose predicted peak fits ``memory_limit``; and every prediction.
+
+        A ``memory_limit`` needs a calibrated model whose peak memory was measured for every mode of
+        ``modes`` (a calibration on a CPU measures none).
+        """
         if memory_limit is not None and not self.calibrated:
             raise ValueError("memory_limit needs a calibrated cost model (see calibrate())")
+        unmeasured = [m for m in modes if self.fit_info.get(m, {}).get("memory") == "prior"]
+        if memory_limit is not None and unmeasured:
+            raise ValueError(
+                f"memory_limit needs measured peak memory, but the memory was not measured for {unmeasured} "
+                f"(calibrated on {self.device}, which reports no peak memory)"
+            )
         predictions = {m: self.predict(shape, m) for m in modes}
         fitting = [m for m in modes if memory_limit is None or predictions[m][1] <= memory_limit]
         pool = fitting or [min(modes, key=lambda m: predictions[m][1])]  # the leanest when none fits
@@ -261,8 +320,12 @@ class CostModel:
     def fit(cls, samples: list[dict], *, device: str = "any", work: dict | None = None) -> CostModel:
         """Fit from ``samples``: dicts with ``mode``, ``time_features``, ``memory_features``, ``time_s``,
         ``peak_bytes`` (None where unknown). ``work``: the model's FLOPs (:func:`model_work`) for the
-        plausibility check and the physical fallback. Modes without samples keep the prior."""
-        model = cls(device=device, calibrated=True, samples=len(samples))
+        plausibility check and the physical fallback. Modes without samples keep the prior.
+
+        The result is ``calibrated`` only where every mode's time was identified (``"nnls"`` or
+        ``"physical"``); memory is fitted where at least two samples of the mode report peak bytes.
+        """
+        model = cls(device=device, samples=len(samples))
         if work is not None:
             model.fit_info["work"] = dict(work)
         for mode in MODES:
@@ -273,11 +336,14 @@ class CostModel:
             b = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
             model.time[mode], model.fit_info[mode] = fit_time(A, b, work)
             mem = [r for r in rows if r.get("peak_bytes") is not None]
+            model.fit_info[mode]["memory"] = "nnls" if len(mem) >= 2 else "prior"
             if len(mem) >= 2:
                 A = torch.tensor([r["memory_features"] for r in mem], dtype=torch.float64)
                 scale = A.abs().amax(0).clamp_min(1.0)
                 b = torch.tensor([float(r["peak_bytes"]) for r in mem], dtype=torch.float64)
                 model.memory[mode] = (nnls(A / scale, b) / scale).tolist()
+        identified = ("nnls", "physical")
+        model.calibrated = all(model.fit_info.get(m, {}).get("method") in identified for m in MODES)
         return model
 
     def refine(self, observations) -> CostModel:
@@ -349,20 +415,29 @@ class CostModel:
         return refined
 
     def to_dict(self) -> dict:
-        return {
-            "time": self.time,
-            "memory": self.memory,
-            "calibrated": self.calibrated,
-            "samples": self.samples,
-            "device": self.device,
-            "fit_info": self.fit_info,
-            "refinement": self.refinement,
-        }
+        """A JSON-ready copy (nothing in it aliases the model)."""
+        return copy.deepcopy(
+            {
+                "time": self.time,
+                "memory": self.memory,
+                "calibrated": self.calibrated,
+                "samples": self.samples,
+                "device": self.device,
+                "fit_info": self.fit_info,
+                "refinement": self.refinement,
+            }
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        """The model of :meth:`to_dict` (also of older files, without ``fit_info`` and ``refinement``)."""
-        model = cls(**{k: data[k] for k in ("time", "memory", "calibrated", "samples", "device")})
-        model.fit_info = dict(data.get("fit_info") or {})
-        model.refinement = data.get("refinement")
-        return model
+        """The model of :meth:`to_dict` (also of older files, without ``fit_info`` and ``refinement``),
+        checked as the constructor checks its arguments."""
+        required = ("time", "memory", "calibrated", "samples", "device")
+        missing = [k for k in required if not isinstance(data, dict) or k not in data]
+        if missing:
+            raise ValueError(f"not a saved CostModel: missing {missing}")
+        return cls(
+            **{k: data[k] for k in required},
+            fit_info=data.get("fit_info") or {},
+            refinement=data.get("refinement"),
+        )
