@@ -140,7 +140,7 @@ def _evaluate(objective, logps: list[torch.Tensor]) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.dtype.is_floating_point:
         raise TypeError(f"objective(logps) must return a floating-point scalar tensor, got {value!r:.80}")
     if not torch.isfinite(value.detach()).all():
-        raise ValueError(f"objective(logps) is not finite ({float(value)}): no gradient was written")
+        raise ValueError(f"objective(logps) is not finite ({float(value.detach())}): no gradient was written")
     return value.reshape(())
 
 
