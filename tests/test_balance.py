@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import rollout_forests
 from treeattn_lab import RolloutTrie
+from treeattn_lab.bench.balance import load_set, random_forest_trie, simulate, targets
 from treeattn_lab.datasets import DATASETS, load_trie
 from treeattn_lab.distributed.balance import (
     ANCHOR,
@@ -22,13 +23,10 @@ from treeattn_lab.distributed.balance import (
     CostTree,
     EngineCost,
     TokenCost,
-    _SearchState,
     balance,
-    best_two_way_split,
-    contiguous_dfs,
     partition,
 )
-from treeattn_lab.distributed.balance_sim import load_set, random_forest_trie, simulate, targets
+from treeattn_lab.distributed.partitioners import _SearchState, best_two_way_split, contiguous_dfs
 from treeattn_lab.engine import CostModel, tree_backward
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 

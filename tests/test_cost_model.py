@@ -19,7 +19,7 @@ import torch.distributed as dist
 from treeattn_lab import RolloutTrie
 from treeattn_lab.datasets import load_trie
 from treeattn_lab.distributed.balance import BEST, EngineCost, balance
-from treeattn_lab.distributed.train import predicted_for_modes_run, refine_cost_model
+from treeattn_lab.distributed.probe import predicted_for_modes_run, refine_cost_model
 from treeattn_lab.engine import CostModel, MicroBatchShape, calibrate, calibration, plan_micro_batches
 from treeattn_lab.engine.calibration import calibration_tries
 from treeattn_lab.engine.cost_model import MAX_PLAUSIBLE_FLOPS, MODES, fit_time, model_work

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from treeattn_lab import RolloutTrie
-from treeattn_lab.distributed.train import _tiny_model, check_cases, spawn
+from treeattn_lab.bench.spawned_train import check_cases, check_model
+from treeattn_lab.distributed import spawn
 from treeattn_lab.engine import tree_backward
 
 VOCAB = 50
@@ -33,7 +34,7 @@ def rollouts(seed: int, prompts: int = 3, samples: int = 4) -> list[list[int]]:
 
 def single_process(seqs, steps: int = 1, seed: int = 0):
     """The ground truth: one process, the whole trie, the same model and token weights as check_step."""
-    model = _tiny_model(VOCAB, torch.float64, seed)
+    model = check_model(VOCAB, torch.float64, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     weights = [torch.randn(len(s), generator=gen, dtype=torch.float64) for s in seqs]
     result = None

@@ -8,9 +8,9 @@ dV with the full-sequence float64 reference. Layouts, schedules and sharding are
 import pytest
 import torch
 
+from treeattn_lab.bench.ring import run_spawned, small_pattern
 from treeattn_lab.distributed.layouts import RingSchedule, block_owner, rank_blocks, shard, unshard
 from treeattn_lab.distributed.ring import ring_sparse_attention
-from treeattn_lab.distributed.ring_check import run_spawned, small_pattern
 
 TOL = 1e-10  # float64 einops steps
 TRITON_TOL = 2e-5  # fp32 kernel steps

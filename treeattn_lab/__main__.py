@@ -19,7 +19,7 @@ BENCHES = {
     "train": "treeattn_lab.bench.train",
     "sparse": "treeattn_lab.bench.sparse",
     "dilated": "treeattn_lab.bench.dilated",
-    "balance": "treeattn_lab.distributed.balance_sim",
+    "balance": "treeattn_lab.bench.balance",
 }
 
 

@@ -280,7 +280,7 @@ def run_ring(out_dir: Path, tokens: int) -> list[dict]:
     """The 2-GPU ring (``torchrun ... ring_check``), when this machine has two GPUs."""
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-           "treeattn_lab.distributed.ring_check", "--tokens", str(tokens), "--out", str(out_dir)]
+           "treeattn_lab.bench.ring", "--tokens", str(tokens), "--out", str(out_dir)]
     subprocess.run(cmd, check=True, env=env)
     (path,) = sorted(out_dir.glob("sparse-ring__*.json"))[-1:]
     return json.loads(path.read_text())["rows"]

@@ -1,8 +1,9 @@
 """Simulated balancing: every partitioner over K = 2..64 ranks, on the bundled sets and on larger tries.
 
-No model runs here: each partition is costed (tokens by default, see :mod:`.balance`) and reported as
-rows for tables and plots: makespan, imbalance (max / mean rank cost), replicated tokens, the lower bound
-max(total / K, costliest rollout), and the ratios to the anchor (``contiguous_dfs``) at the same K.
+No model runs here: each partition is costed (tokens by default, see :mod:`treeattn_lab.distributed.costs`)
+and reported as rows for tables and plots: makespan, imbalance (max / mean rank cost), replicated tokens,
+the lower bound max(total / K, costliest rollout), and the ratios to the anchor (``contiguous_dfs``) at the
+same K.
 
 The larger tries:
 
@@ -11,7 +12,7 @@ The larger tries:
 - ``random_forest``: 64 prompts, each a random tree of forks (1-4 ways, 1-4 levels deep) with log-normal
   segments, 1000-2000 rollouts of fresh token ids (shaped like tree-search and agentic RL, larger).
 
-Command line: ``python -m treeattn_lab bench balance`` (or ``python -m treeattn_lab.distributed.balance_sim``)
+Command line: ``python -m treeattn_lab bench balance`` (or ``python -m treeattn_lab.bench.balance``)
 prints a table per set and writes ``bench/results/balance__*.json``; ``--quick`` runs the bundled sets at
 K = 2, 4, 8, 16 only.
 """
@@ -26,8 +27,9 @@ import time
 from pathlib import Path
 
 from ..datasets import DATASETS, generate, load_trie
+from ..distributed.balance import ANCHOR, BEST, PARTITIONERS, TokenCost, balance
 from ..trie import RolloutTrie
-from .balance import ANCHOR, BEST, PARTITIONERS, TokenCost, balance
+from .harness import environment, print_table, write_results
 
 KS = (2, 4, 8, 16, 32, 64)
 LARGE_SETS = ("grpo_math_x8", "tree_search_x8", "agentic_x4", "random_forest")
@@ -123,7 +125,7 @@ def simulate(
 
 
 def targets(rows: list[dict], best: str = BEST) -> list[dict]:
-    """The issue's targets at K = 8 for ``best``: imbalance <= 1.05 on every bundled set, and at most half
+    """The targets at K = 8 for ``best``: imbalance <= 1.05 on every bundled set, and at most half
     the anchor's excess imbalance (imbalance - 1) on the agentic and tree-search sets."""
     out = []
     at = {(r["set"], r["partitioner"]): r for r in rows if r["num_ranks"] == TARGET_K}
@@ -161,8 +163,6 @@ def targets(rows: list[dict], best: str = BEST) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..bench.harness import environment, print_table, write_results
-
     parser = argparse.ArgumentParser(
         prog="python -m treeattn_lab bench balance",
         description=__doc__,

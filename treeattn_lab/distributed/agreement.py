@@ -1,0 +1,152 @@
+"""The process group, and how ranks agree before they compute together.
+
+Every collective call of the distributed layer starts the same way, on every rank:
+
+1. the rank checks its own arguments and, if they are valid, reduces what must be equal on every rank
+   (rollouts, settings, a ring's pattern, a model's parameters) to a digest;
+2. the digests, or the rank's rejection of its input, are all-gathered (:func:`agree`);
+3. if any rank rejected its input, or two digests differ, **every** rank raises
+   :class:`RankMismatchError` naming the ranks. No rank is left waiting for a peer that gave up.
+
+Small control messages and barriers run on a gloo *monitor group* (:func:`monitor_group`: the group
+itself when it is gloo, else a gloo side group over the same ranks), so they never block a GPU stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class RankMismatchError(ValueError):
+    """The ranks hold different inputs or settings, or one rejected its input (raised on every rank)."""
+
+
+class RankFailureError(RuntimeError):
+    """A rank failed or hung during a collective step (raised on every rank)."""
+
+
+# ============================================================================================ process group
+def init_distributed(
+    backend: str | None = None, *, timeout_s: float = 600.0
+) -> tuple[int, int, torch.device]:
+    """``init_process_group`` from torchrun's environment: NCCL with one GPU per local rank where CUDA is
+    available, else gloo; every collective times out after ``timeout_s``. Returns (rank, world, device).
+
+    Sets ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off) when it is unset."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+_MONITOR_GROUPS: dict = {}
+
+
+def monitor_group(group):
+    """A gloo group over the ranks of ``group``, for barriers and small objects (``group`` itself if gloo).
+
+    Collective the first time for a given NCCL group: every rank creates the side group at the same call.
+    """
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        return group
+    key = id(group)
+    if key not in _MONITOR_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        _MONITOR_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _MONITOR_GROUPS[key]
+
+
+def monitored_barrier(monitor, timeout_s: float, where: str) -> None:
+    """A barrier that raises on every rank (rank 0 naming the missing ranks) instead of hanging."""
+    if dist.get_world_size(monitor) == 1:
+        return
+    try:
+        dist.monitored_barrier(group=monitor, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        rank = dist.get_rank(monitor)
+        raise RankFailureError(
+            f"rank {rank}: not every rank reached the barrier {where} within {timeout_s:g} s (a rank hung, "
+            f"died or is much slower): {e}"
+        ) from e
+
+
+def rank_in(group) -> int:
+    """This process's rank in ``group``; a clear error for a process outside it (torch returns -1)."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    return rank
+
+
+def gather_objects(obj, monitor) -> list:
+    """``obj`` of every rank of ``monitor``, in rank order."""
+    out = [None] * dist.get_world_size(monitor)
+    dist.all_gather_object(out, obj, group=monitor)
+    return out
+
+
+# ================================================================================================ agreement
+def describe(error: BaseException) -> str:
+    """How a rank's error is reported to its peers: ``"ValueError: ..."``."""
+    return f"{type(error).__name__}: {error}"
+
+
+def digest_and_problem(check: Callable[[], str]) -> tuple[str | None, str | None]:
+    """``(check(), None)``, or ``(None, the error)`` when ``check`` raises: a rank's rejection of its
+    input is reported through :func:`agree`, so its peers raise with it instead of waiting for it."""
+    try:
+        return check(), None
+    except Exception as e:
+        return None, describe(e)
+
+
+def agree(digest: str | None, problem: str | None, monitor, *, what: str, hint: str) -> None:
+    """Collective: raise :class:`RankMismatchError` on every rank when a rank has a ``problem`` or the
+    ``digest``\\ s differ. ``what`` names what the digests cover; ``hint`` says how to fix a mismatch."""
+    rank = dist.get_rank(monitor)
+    gathered = gather_objects({"digest": digest, "problem": problem}, monitor)
+    problems = [(r, g["problem"]) for r, g in enumerate(gathered) if g["problem"]]
+    if problems:
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in problems)
+        raise RankMismatchError(
+            f"rank {rank}: rank(s) {[r for r, _ in problems]} rejected their input ({detail})"
+        )
+    digests = [g["digest"] for g in gathered]
+    if len(set(digests)) > 1:
+        raise RankMismatchError(f"rank {rank}: the ranks disagree on {what} ({_holders(digests)}); {hint}")
+
+
+def _holders(digests: list[str]) -> str:
+    """``"ranks [0, 2] hold 1a2b...; ranks [1] hold 3c4d..."``."""
+    groups: dict[str, list[int]] = {}
+    for r, d in enumerate(digests):
+        groups.setdefault(d, []).append(r)
+    return "; ".join(f"ranks {ranks} hold {d[:12]}" for d, ranks in groups.items())
+
+
+def sha256(*parts) -> str:
+    """SHA-256 of ``parts``: bytes as they are, tensors by their dtype, shape and values, others by repr."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            x = part.detach().to("cpu").contiguous()
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(bytes(x.reshape(-1).view(torch.uint8).numpy()) if x.numel() else b"")
+        elif isinstance(part, bytes):
+            h.update(part)
+        else:
+            h.update(repr(part).encode())
+        h.update(b"\x00")
+    return h.hexdigest()
