@@ -427,3 +427,82 @@ def test_inputs_not_mutated(forest_inputs, order):
 def test_repr_mentions_sizes():
     trie = RolloutTrie.from_sequences([[1, 2, 3], [1, 2, 4]])
     assert "2 sequences" in repr(trie) and "6 flat -> 4 tree tokens" in repr(trie)
+
+
+# ------------------------------------------------------------------------------------ from_padded
+PAD = 0
+
+
+def right_padded(seqs: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([s + [PAD] * (length - len(s)) for s in seqs])
+    mask = (torch.arange(length) < torch.tensor([len(s) for s in seqs])[:, None]).to(torch.int64)
+    return ids, mask
+
+
+def test_from_padded_takes_right_and_left_padding():
+    seqs = [[5, 6, 7, 8], [5, 6, 9], [3], [5, 6, 9]]
+    want = RolloutTrie.from_sequences(seqs)
+    ids, mask = right_padded(seqs, 6)
+    left_ids = torch.stack([torch.roll(r, int(6 - m.sum())) for r, m in zip(ids, mask, strict=True)])
+    left_mask = mask.flip(1)
+    snapshot = (ids.clone(), mask.clone(), left_ids.clone(), left_mask.clone())
+    assert RolloutTrie.from_padded(ids, mask) == want
+    assert RolloutTrie.from_padded(left_ids, left_mask) == want
+    assert RolloutTrie.from_padded(left_ids, left_mask.bool()) == want
+    assert RolloutTrie.from_padded(ids, pad_id=PAD) == want
+    assert RolloutTrie.from_padded(left_ids, pad_id=PAD) == want
+    assert RolloutTrie.from_padded(ids.tolist(), mask.tolist()) == want  # nested lists too
+    assert RolloutTrie.from_padded(ids.to(torch.int32), mask.float()) == want
+    for a, b in zip((ids, mask, left_ids, left_mask), snapshot, strict=True):
+        assert torch.equal(a, b)  # nothing the caller passed is changed
+
+
+def test_from_padded_keeps_a_real_token_equal_to_the_pad_under_a_mask():
+    # pad = eos, as in many tokenizers: the mask tells the completion's eos from the padding after it
+    ids, mask = right_padded([[4, 7, PAD], [4, 8]], 5)
+    assert RolloutTrie.from_padded(ids, mask).sequences() == [[4, 7, PAD], [4, 8]]
+
+
+def test_from_padded_grpo_group_shares_its_prompt():
+    # what a GRPO trainer holds: prompts left-padded to P, completions right-padded to C, side by side
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (5, 9)]
+    completions = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (3, 6, 1, 6, 2, 4)]
+    group = [0, 0, 0, 1, 1, 1]
+    P, C = 9, 6
+    prompt_ids = torch.tensor([[PAD] * (P - len(prompts[k])) + prompts[k] for k in group])
+    prompt_mask = (torch.arange(P) >= torch.tensor([P - len(prompts[k]) for k in group])[:, None]).long()
+    completion_ids, completion_mask = right_padded(completions, C)
+    trie = RolloutTrie.from_padded(
+        torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    )
+    assert trie.sequences() == [prompts[k] + c for k, c in zip(group, completions, strict=True)]
+    assert trie.stats()["tree_tokens"] == sum(len(p) for p in prompts) + sum(len(c) for c in completions)
+    assert trie.stats()["root_branching"] == 2
+
+
+@pytest.mark.parametrize(
+    ("ids", "mask", "pad_id", "error", "match"),
+    [
+        ([[1, 2], [0, 0]], [[1, 1], [0, 0]], None, ValueError, "row 1 of attention_mask has no ones"),
+        ([[1, 2], [0, 0]], None, 0, ValueError, "row 1 holds only pad_id 0"),
+        ([[1, 2, 3]], [[1, 0, 1]], None, ValueError, "row 0 of attention_mask is not one contiguous run"),
+        ([[1, 0, 3]], None, 0, ValueError, "row 0 has pad_id 0 between real tokens"),
+        ([[1, 2, 3]], [[1, 1]], None, ValueError, r"attention_mask has shape \(1, 2\); input_ids \(1, 3\)"),
+        ([1, 2, 3], [1, 1, 1], None, ValueError, "input_ids must be 2-D"),
+        ([[1.0, 2.0]], [[1, 1]], None, TypeError, "input_ids must hold integer token ids, got torch.float32"),
+        ([[True, False]], [[1, 1]], None, TypeError, "input_ids must hold integer token ids, got torch.bool"),
+        ([[1, 2]], [[1, 2]], None, ValueError, "attention_mask must hold only 0 and 1"),
+        ([[1, 2]], [[1, 1]], 0, TypeError, "pass attention_mask or pad_id, not both"),
+        ([[1, 2]], None, None, TypeError, "pass attention_mask or pad_id"),
+        ([[1, 2]], None, 0.0, TypeError, "pad_id must be an int"),
+        ([[1, -2]], [[1, 1]], None, ValueError, "sequence 0 holds the token id -2"),
+        ("ids", [[1]], None, TypeError, "input_ids must be a 2-D integer tensor"),
+    ],
+)
+def test_from_padded_refuses_bad_batches(ids, mask, pad_id, error, match):
+    if not isinstance(ids, str):
+        ids = torch.tensor(ids)
+    mask = None if mask is None else torch.tensor(mask)
+    with pytest.raises(error, match=match):
+        RolloutTrie.from_padded(ids, mask, pad_id=pad_id)

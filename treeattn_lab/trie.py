@@ -25,6 +25,7 @@ import torch
 
 from .atomic import atomic_writer
 from .pack import TreePack
+from .unpad import unpad
 
 if TYPE_CHECKING:  # pragma: no cover
     import networkx
@@ -130,6 +131,17 @@ class RolloutTrie:
             for i in node.ends:
                 seq_end_node[i] = node_id
         return cls(nodes, seq_end_node)
+
+    @classmethod
+    def from_padded(cls, input_ids, attention_mask=None, *, pad_id: int | None = None) -> RolloutTrie:
+        """The trie of the rows of a padded batch ``input_ids [B, L]`` without their pads; rollout i is
+        row i.
+
+        ``attention_mask [B, L]`` (1 at real tokens) or ``pad_id`` says which tokens are padding; each
+        row's real tokens must be one contiguous run: left or right padding, or left-padded prompts
+        beside right-padded completions (see :func:`treeattn_lab.unpad.unpad`).
+        """
+        return cls.from_sequences(unpad(input_ids, attention_mask, pad_id=pad_id))
 
     # ------------------------------------------------------------------ queries
     @property
