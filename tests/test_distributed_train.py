@@ -125,3 +125,14 @@ def test_spawn_kills_ranks_that_run_past_the_timeout():
     with pytest.raises(TimeoutError, match="did not finish within"):
         spawn(1, check_cases, {"cases": [dict(seqs=SEQS, hang_rank=0, hang_s=60.0)]}, timeout_s=5)
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.xdist_group("distributed_train")
+def test_spawn_names_a_rank_that_exits_without_a_result():
+    """A rank that leaves with exit code 0 before returning (sys.exit inside fn) is reported by rank and
+    exit code, not as a missing file."""
+    started = time.monotonic()
+    case = dict(seqs=SEQS, exit_rank=1, barrier_timeout_s=5.0)
+    with pytest.raises(RuntimeError, match=r"^rank 1 exited with code 0 without a result"):
+        spawn(2, check_cases, {"cases": [case]}, timeout_s=90, collective_timeout_s=10)
+    assert time.monotonic() - started < 90

@@ -4,8 +4,8 @@
 processes, joins them in a gloo group (through a file in a temporary folder), runs ``fn(**kwargs)`` on
 each and returns every rank's outcome, ``{"ok": True, "value": ...}`` or ``{"ok": False, "error":
 exception type name, "message": ...}``. Each rank writes its outcome atomically (temporary file, then
-``os.replace``), so an outcome is either whole or missing; ranks still running at the deadline are
-killed. :func:`run_cases` runs several
+``os.replace``), so an outcome is either whole or missing; a rank that ends without one is reported by
+rank and exit code, and ranks still running at the deadline are killed. :func:`run_cases` runs several
 cases in one group, each case's exception caught on its own.
 """
 
@@ -57,7 +57,14 @@ def _spawned_worker(rank, world, init_file, out_dir, fn, kwargs, timeout_s):
 
 
 def _results(tmp: str, processes) -> list[dict]:
-    """Every rank's outcome."""
+    """Every rank's outcome, or a clear error naming each rank that ended without one."""
+    missing = [r for r in range(len(processes)) if not (Path(tmp) / f"rank{r}.pt").exists()]
+    if missing:
+        detail = ", ".join(f"rank {r} exited with code {processes[r].exitcode}" for r in missing)
+        raise RuntimeError(
+            f"{detail} without a result: the process ended before fn returned or raised (sys.exit or "
+            "os._exit inside fn)"
+        )
     return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(len(processes))]
 
 
@@ -74,7 +81,8 @@ def spawn(
     ``fn`` must be importable (a module-level function). Returns each rank's outcome, ``{"ok": True,
     "value": ...}`` or ``{"ok": False, "error": exception type name, "message": ...}``. Collectives time
     out after ``collective_timeout_s``. Kills the ranks it started and raises TimeoutError when they are
-    not all done within ``timeout_s``.
+    not all done within ``timeout_s``; raises RuntimeError naming the rank and its exit code when a rank
+    ends without an outcome.
     """
     import torch.multiprocessing as mp
 
