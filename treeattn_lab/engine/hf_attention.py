@@ -148,10 +148,10 @@ def hf_tree_attention(model, pack, *, backend: str = "auto"):
     from ..pack import TreePack
     from .attention import packed_tree
 
-    if not isinstance(pack, TreePack):
-        raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}")
     if not hasattr(model, "config") or not hasattr(model.config, "_attn_implementation"):
         raise TypeError(f"model must be a Hugging Face model, got {type(model).__name__}")
+    if not isinstance(pack, TreePack):
+        raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}")
     check_supported_config(model.config)
     tree = packed_tree(pack, backend)
     with attention_session(model, int(pack.seq_lengths.max())) as slot:
