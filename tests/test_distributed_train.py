@@ -9,10 +9,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from treeattn_lab import RolloutTrie
 from treeattn_lab.bench.spawned_train import check_cases, check_model
-from treeattn_lab.distributed import spawn
+from treeattn_lab.distributed import RankFailureError, plan_shares, run_step, spawn
+from treeattn_lab.distributed import step as step_module
 from treeattn_lab.engine import tree_backward
 
 VOCAB = 50
@@ -136,3 +138,55 @@ def test_spawn_names_a_rank_that_exits_without_a_result():
     with pytest.raises(RuntimeError, match=r"^rank 1 exited with code 0 without a result"):
         spawn(2, check_cases, {"cases": [case]}, timeout_s=90, collective_timeout_s=10)
     assert time.monotonic() - started < 90
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _raise_interrupt(*args):
+    raise KeyboardInterrupt
+
+
+def _raise_error(*args):
+    raise RuntimeError("injected failure in the model's forward")
+
+
+def _reduce_then_interrupt(params, group):
+    params[0].grad.add_(1.0)  # half-way through the all-reduce
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [("share", KeyboardInterrupt), ("all-reduce", KeyboardInterrupt), ("failure", RankFailureError)],
+)
+def test_a_failed_or_interrupted_step_leaves_grad_as_it_was(one_rank_group, monkeypatch, where, expected):
+    model = check_model(VOCAB, torch.float64, seed=0)
+    named = list(model.named_parameters())
+    gen = torch.Generator().manual_seed(7)
+    for i, (_, p) in enumerate(named):
+        if i % 3:  # earlier accumulated gradients on most parameters, None on the others
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    held = {n: p.grad for n, p in named}
+    values = {n: None if g is None else g.clone() for n, g in held.items()}
+    plan = plan_shares(RolloutTrie.from_sequences(SEQS), mode="flat")
+    if where == "share":
+        model.embed.register_forward_pre_hook(_raise_interrupt)
+    elif where == "failure":
+        model.embed.register_forward_pre_hook(_raise_error)
+    else:
+        monkeypatch.setattr(step_module, "_all_reduce_grads", _reduce_then_interrupt)
+    with pytest.raises(expected):
+        run_step(model, plan)
+    for name, p in named:
+        assert p.grad is held[name], name
+        if values[name] is not None:
+            assert torch.equal(p.grad, values[name]), name

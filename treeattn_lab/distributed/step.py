@@ -14,7 +14,8 @@ functions in the same order):
    their status: an error and the plan's digest. If any rank raised, every rank raises
    :class:`.RankFailureError` with its message; if the plans differ, every rank raises
    :class:`.RankMismatchError`. Otherwise the gradients are all-reduced (sum, one flat buffer per dtype)
-   and so are the per-rollout losses. When the call raises, ``.grad`` is left as it was before it.
+   and so are the per-rollout losses. Whenever the call does not return (an error on any rank, or an
+   interrupt), ``.grad`` is left exactly as it was before it.
 
 The sum over ranks of each share's gradient is the gradient of the whole trie's loss, so the result
 equals single-process ``tree_backward`` (the tests check this in float64 on 2 and 3 gloo ranks).
@@ -196,7 +197,7 @@ def _all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
 def _run_share(model, plan: StepPlan, rank: int, device: torch.device) -> dict:
     """This rank's share through ``tree_backward`` (into ``.grad``, which the caller cleared), timed.
 
-    An exception is returned as ``"error"``, to be reported to every rank."""
+    An exception is returned as ``"error"``, to be reported to every rank; an interrupt propagates."""
     share = plan.balance.shares[rank]
     status = {"error": None, "plan": plan.digest, "result": None}
     sync(device)
@@ -263,7 +264,8 @@ def run_step(model, plan: StepPlan, *, group=None, barrier_timeout_s: float = 60
     """Collective: this rank's share through ``tree_backward``, then gradients and losses summed over ranks.
 
     Gradients accumulate into ``.grad`` as ``tree_backward`` does. If any rank fails, every rank raises
-    :class:`.RankFailureError` and ``.grad`` is left as it was before the call.
+    :class:`.RankFailureError`. Whenever the call does not return, an interrupt included, ``.grad`` is
+    left exactly as it was before the call (the same tensors, unchanged).
     """
     started = time.perf_counter()
     if not isinstance(plan, StepPlan):
@@ -286,7 +288,7 @@ def run_step(model, plan: StepPlan, *, group=None, barrier_timeout_s: float = 60
             barrier_timeout_s=barrier_timeout_s,
             started=started,
         )
-    except Exception:
+    except BaseException:  # an interrupt too: every earlier gradient comes back, not None
         for p, g in zip(params, saved, strict=True):
             p.grad = g
         raise
