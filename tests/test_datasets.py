@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 from collections import defaultdict
 
 import pytest
@@ -72,6 +74,31 @@ def test_bundled_files_equal_the_generator_byte_for_byte(tmp_path):
         assert bundled.read_bytes() == path.read_bytes(), f"{bundled} is stale: run python data/generate.py"
         text = path.read_text(encoding="utf-8")
         assert text.endswith("}\n") and ", " not in text and ": " not in text  # compact, newline-ended
+
+
+FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from treeattn_lab.datasets import write_all
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    write_all(sys.argv[1])
+except OSError as error:
+    print("failed:", error)
+"""
+
+
+def test_a_write_that_fails_midway_leaves_the_old_files_whole(tmp_path):
+    # a file-size limit below the size of the first set's file: its write stops partway through
+    old = {p.name: p.read_bytes() for p in write_all(tmp_path)}
+    for path in tmp_path.iterdir():
+        path.write_bytes(b"old " + old[path.name][:100])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    run = subprocess.run(
+        [sys.executable, "-c", FILE_SIZE_LIMIT, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert "failed:" in run.stdout and "File too large" in run.stdout
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no partial file, no temp file
 
 
 def test_load_regenerates_when_the_files_are_absent(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import write_bytes_atomic
 from .trie import RolloutTrie
 
 DATASETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
@@ -262,13 +263,16 @@ def to_jsonl(name: str, rollouts: list[Rollout]) -> str:
 
 
 def write_all(directory) -> list[Path]:
-    """Write ``<name>.jsonl`` for every set into ``directory`` (created if needed); return the paths."""
+    """Write ``<name>.jsonl`` for every set into ``directory`` (created if needed); return the paths.
+
+    Each file is written atomically: a failed write (a full disk, a file-size limit) leaves the old file.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for name in DATASETS:
         path = directory / f"{name}.jsonl"
-        path.write_bytes(to_jsonl(name, generate_rollouts(name)).encode("utf-8"))
+        write_bytes_atomic(path, to_jsonl(name, generate_rollouts(name)).encode("utf-8"))
         paths.append(path)
     return paths
 
