@@ -175,6 +175,16 @@ def _lr_factor(step: int, steps: int, warmup_steps: int, final_lr_ratio: float) 
     return final_lr_ratio + (1 - final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (betas 0.9, 0.95) decaying the matrices only: norms' gains and biases keep no decay."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
 def train_language_model(
     model,
     tokens: torch.Tensor,
@@ -223,15 +233,7 @@ def train_language_model(
         raise TypeError(f"on_step must be callable or None, got {type(on_step).__name__}")
     device = _model_device(model)
     warmup_steps = min(100, steps // 10) if warmup_steps is None else warmup_steps
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
+    optimizer = _adamw(model, lr, weight_decay)
     data = batches(tokens, batch_size, seq_len, torch.Generator().manual_seed(seed))
     history: dict[str, list] = {"step": [], "loss": [], "pass_losses": []}
     model.train()
