@@ -122,6 +122,33 @@ def test_two_gloo_ranks_equal_one_process_and_a_hung_rank_is_named():
 
 
 @pytest.mark.xdist_group("distributed_train")
+def test_ranks_with_different_model_parameters_fail_together():
+    """Other weights, another dtype or another architecture on one rank: every rank raises and names the
+    parameter, nothing is all-reduced (no mixed-dtype all-reduce), and the group stays usable."""
+    cases = [
+        dict(seqs=SEQS, mode="flat", model_rank=1, model_change={"seed": 1}),
+        dict(seqs=SEQS, mode="flat", model_rank=0, model_change={"dtype": torch.float32}),
+        dict(seqs=SEQS, mode="flat", model_rank=1, model_change={"dim": 16}),
+        dict(seqs=SEQS, mode="flat"),
+    ]
+    started = time.monotonic()
+    results = spawn(2, check_cases, {"cases": cases}, timeout_s=120, collective_timeout_s=20)
+    assert time.monotonic() - started < 120
+    per_case = by_case(results)
+    expected = [
+        "parameter 'embed.weight' has different values on rank 1 and rank 0",
+        "parameter 'embed.weight' is torch.float64 [50, 32] on rank 1 but torch.float32 [50, 32] on rank 0",
+        "parameter 'embed.weight' is torch.float64 [50, 16] on rank 1 but torch.float64 [50, 32] on rank 0",
+    ]
+    for outcomes, detail in zip(per_case[:3], expected, strict=True):
+        for rank, outcome in enumerate(outcomes):
+            assert not outcome["ok"] and outcome["error"] == "RankMismatchError", outcome
+            assert outcome["message"].startswith(f"rank {rank}: the ranks hold different model parameters")
+            assert detail in outcome["message"], outcome["message"]
+    assert_equal_to_single_process(per_case[3], cases[3], 2)
+
+
+@pytest.mark.xdist_group("distributed_train")
 def test_spawn_kills_ranks_that_run_past_the_timeout():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within"):

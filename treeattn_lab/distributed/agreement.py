@@ -150,3 +150,55 @@ def sha256(*parts) -> str:
             h.update(repr(part).encode())
         h.update(b"\x00")
     return h.hexdigest()
+
+
+# ======================================================================================== model parameters
+_CHUNK_BYTES = 1 << 24
+_MODULUS = 65521  # positions weigh 1..65521: with bytes < 2**8 every product stays below 2**24
+
+
+def _checksum(x: torch.Tensor) -> torch.Tensor:
+    """Two integer checksums of a tensor's bytes, computed where the tensor lives (``[2]`` int64): their
+    sum, and their sum weighted by position (``1 + i mod 65521``). Integer sums are exact in any order, so
+    equal tensors give equal checksums on every rank, and one changed byte always changes the second."""
+    data = x.detach().contiguous().reshape(-1).view(torch.uint8)
+    out = torch.zeros(2, dtype=torch.int64, device=data.device)
+    for start in range(0, data.numel(), _CHUNK_BYTES):
+        chunk = data[start : start + _CHUNK_BYTES].to(torch.int64)
+        pos = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
+        out[0] += chunk.sum()
+        out[1] += (chunk * (pos % _MODULUS + 1)).sum()
+    return out
+
+
+def parameter_summary(model: torch.nn.Module) -> list[tuple]:
+    """``(name, shape, dtype, checksums)`` of every parameter of ``model``, in registration order: what
+    :func:`parameter_difference` compares across ranks (one device-to-host copy for all checksums)."""
+    named = list(model.named_parameters())
+    if not named:
+        return []
+    home = named[0][1].device
+    sums = torch.stack([_checksum(p).to(home) for _, p in named]).tolist()
+    return [(n, tuple(p.shape), str(p.dtype), tuple(c)) for (n, p), c in zip(named, sums, strict=True)]
+
+
+def parameter_difference(summaries: list[list[tuple]]) -> str | None:
+    """How the ranks' :func:`parameter_summary`\\ s differ from rank 0's (None when they are equal)."""
+    first = summaries[0]
+    for r, other in enumerate(summaries[1:], start=1):
+        if other == first:
+            continue
+        if [s[0] for s in other] != [s[0] for s in first]:
+            return (
+                f"rank {r} has {len(other)} parameters, named differently from rank 0's {len(first)} (a "
+                "different architecture)"
+            )
+        for mine, theirs in zip(first, other, strict=True):
+            if mine[1:3] != theirs[1:3]:
+                return (
+                    f"parameter {mine[0]!r} is {theirs[2]} {list(theirs[1])} on rank {r} but {mine[2]} "
+                    f"{list(mine[1])} on rank 0"
+                )
+            if mine[3] != theirs[3]:
+                return f"parameter {mine[0]!r} has different values on rank {r} and rank 0"
+    return None

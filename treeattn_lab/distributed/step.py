@@ -11,11 +11,12 @@ functions in the same order):
 2. :func:`run_step`: the rank's share (its own trie) goes through
    :func:`treeattn_lab.engine.tree_backward`, timed. A monitored barrier then checks that every rank
    finished (a rank that hung or died is named within ``barrier_timeout_s``), and the ranks exchange
-   their status: an error and the plan's digest. If any rank raised, every rank raises
-   :class:`.RankFailureError` with its message; if the plans differ, every rank raises
-   :class:`.RankMismatchError`. Otherwise the gradients are all-reduced (sum, one flat buffer per dtype)
-   and so are the per-rollout losses. Whenever the call does not return (an error on any rank, or an
-   interrupt), ``.grad`` is left exactly as it was before it.
+   their status: an error, the plan's digest and a summary of the model's parameters (names, shapes,
+   dtypes and checksums of the values, :func:`.agreement.parameter_summary`). If the plans or the
+   parameters differ, every rank raises :class:`.RankMismatchError`; if any rank raised, every rank
+   raises :class:`.RankFailureError` with its message. Otherwise the gradients are all-reduced (sum, one
+   flat buffer per dtype) and so are the per-rollout losses. Whenever the call does not return (an error
+   on any rank, or an interrupt), ``.grad`` is left exactly as it was before it.
 
 The sum over ranks of each share's gradient is the gradient of the whole trie's loss, so the result
 equals single-process ``tree_backward`` (the tests check this in float64 on 2 and 3 gloo ranks).
@@ -43,6 +44,8 @@ from .agreement import (
     gather_objects,
     monitor_group,
     monitored_barrier,
+    parameter_difference,
+    parameter_summary,
     rank_in,
     sha256,
 )
@@ -199,11 +202,15 @@ def _run_share(model, plan: StepPlan, rank: int, device: torch.device) -> dict:
 
     An exception is returned as ``"error"``, to be reported to every rank; an interrupt propagates."""
     share = plan.balance.shares[rank]
-    status = {"error": None, "plan": plan.digest, "result": None}
+    status = {"error": None, "plan": plan.digest, "parameters": None, "result": None}
+    try:
+        status["parameters"] = parameter_summary(model)  # the weights the share runs with
+    except Exception as e:
+        status["error"] = describe(e)
     sync(device)
     t0 = time.perf_counter()
     try:
-        if share.sequences:
+        if share.sequences and status["error"] is None:
             weights = [plan.token_weights[i] for i in share.sequences]
             status["result"] = tree_backward(model, share.trie, weights, **plan.engine)
     except Exception as e:
@@ -214,13 +221,21 @@ def _run_share(model, plan: StepPlan, rank: int, device: torch.device) -> dict:
 
 
 def _check_statuses(statuses: list[dict], rank: int) -> None:
-    """Raise on every rank when a rank failed, or the ranks ran different plans."""
+    """Raise on every rank when the ranks ran different plans or models, or a rank failed (a mismatch
+    first: it explains a failure it causes)."""
+    if len({s["plan"] for s in statuses}) > 1:
+        raise RankMismatchError(f"rank {rank}: the ranks run different plans; call plan_shares on every rank")
+    summaries = [s["parameters"] for s in statuses]
+    difference = parameter_difference(summaries) if all(x is not None for x in summaries) else None
+    if difference:
+        raise RankMismatchError(
+            f"rank {rank}: the ranks hold different model parameters ({difference}); every rank must start "
+            "the step with the same model (broadcast rank 0's parameters, as DDP does)"
+        )
     failed = [(r, s["error"]) for r, s in enumerate(statuses) if s["error"]]
     if failed:
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
         raise RankFailureError(f"rank {rank}: the step failed on rank(s) {[r for r, _ in failed]}: {detail}")
-    if len({s["plan"] for s in statuses}) > 1:
-        raise RankMismatchError(f"rank {rank}: the ranks run different plans; call plan_shares on every rank")
 
 
 def _step(model, params, plan: StepPlan, saved, *, rank, group, monitor, barrier_timeout_s, started):
@@ -264,8 +279,10 @@ def run_step(model, plan: StepPlan, *, group=None, barrier_timeout_s: float = 60
     """Collective: this rank's share through ``tree_backward``, then gradients and losses summed over ranks.
 
     Gradients accumulate into ``.grad`` as ``tree_backward`` does. If any rank fails, every rank raises
-    :class:`.RankFailureError`. Whenever the call does not return, an interrupt included, ``.grad`` is
-    left exactly as it was before the call (the same tensors, unchanged).
+    :class:`.RankFailureError`; if the ranks' model parameters differ (names, shapes, dtypes or values),
+    every rank raises :class:`.RankMismatchError` before anything is all-reduced. Whenever the call does
+    not return, an interrupt included, ``.grad`` is left exactly as it was before the call (the same
+    tensors, unchanged).
     """
     started = time.perf_counter()
     if not isinstance(plan, StepPlan):
