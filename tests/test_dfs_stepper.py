@@ -24,7 +24,7 @@ from treeattn_lab import RolloutTrie
 from treeattn_lab.engine import MODES, CostModel, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
 from treeattn_lab.engine.loss_plan import LossPlan
-from treeattn_lab.lab import exercises, viz_engine
+from treeattn_lab.lab import exercises, viz
 from treeattn_lab.lab.dfs_stepper import DfsStepper, dfs_trace
 from treeattn_lab.lab.monitor import Sample, Step
 from treeattn_lab.reference import TinyLM, TinyLMConfig
@@ -188,9 +188,9 @@ def test_describe_and_restyle_reject_unknown_events():
     trace = dfs_trace(RolloutTrie.from_sequences(TOY), 4)
     with pytest.raises(IndexError, match="out of range"):
         trace.describe(len(trace))
-    fig = viz_engine.draw_dfs_step(trace, 0)
+    fig = viz.draw_dfs_step(trace, 0)
     with pytest.raises(IndexError, match="out of range"):
-        viz_engine.restyle_dfs_step(fig, trace, -1)
+        viz.restyle_dfs_step(fig, trace, -1)
 
 
 # ------------------------------------------------------------------------------------ drawings and widget
@@ -201,14 +201,14 @@ def _trace_by_name(fig, name):
 
 def test_step_figure_restyles_to_the_same_figure_as_drawing_afresh():
     trace = dfs_trace(RolloutTrie.from_sequences(TOY), 4)
-    fig = viz_engine.draw_dfs_step(trace, 0)
+    fig = viz.draw_dfs_step(trace, 0)
     for i in (3, 4, 11, 0):
-        viz_engine.restyle_dfs_step(fig, trace, i)
-        assert fig.to_dict() == viz_engine.draw_dfs_step(trace, i).to_dict()
-    fig = viz_engine.draw_dfs_step(trace, 3)
+        viz.restyle_dfs_step(fig, trace, i)
+        assert fig.to_dict() == viz.draw_dfs_step(trace, i).to_dict()
+    fig = viz.draw_dfs_step(trace, 3)
     blocks, kv, grad = (_trace_by_name(fig, n) for n in ("blocks", "kv", "grad"))
-    assert blocks.marker.color[3] == viz_engine.STATE_COLORS["grad"]  # leaf 3 runs with autograd
-    assert blocks.marker.color[0] == viz_engine.STATE_COLORS["stack"]
+    assert blocks.marker.color[3] == viz.STATE_COLORS["grad"]  # leaf 3 runs with autograd
+    assert blocks.marker.color[0] == viz.STATE_COLORS["stack"]
     assert list(kv.y[:10]) == [1.0] * 10 and kv.text[8] == "4" and kv.marker.pattern.shape[8] == "/"
     assert grad.y[0] == pytest.approx(3 / 14) and grad.y[6] == 1.0  # block 2: all 3 tokens below arrived
     assert "event 4 of 12" in fig.layout.title.text
@@ -216,7 +216,7 @@ def test_step_figure_restyles_to_the_same_figure_as_drawing_afresh():
 
 def test_timeline_has_one_column_per_event():
     trace = dfs_trace(RolloutTrie.from_sequences(TOY), 4)
-    fig = viz_engine.draw_dfs_timeline(trace)
+    fig = viz.draw_dfs_timeline(trace)
     kv, grad = _trace_by_name(fig, "kv"), _trace_by_name(fig, "grad")
     assert len(kv.z) == trace.num_slots and len(kv.z[0]) == len(trace)
     assert [row[0] for row in kv.z[:4]] == [2, 2, 2, 2]  # event 0 pushes block 0 into slots 0..3
@@ -244,11 +244,11 @@ def test_stepper_widget_follows_the_slider_and_buttons():
 
 
 def test_held_tokens_on_the_toy():
-    held = viz_engine.held_tokens(dfs_trace(RolloutTrie.from_sequences(TOY), 4))
+    held = viz.held_tokens(dfs_trace(RolloutTrie.from_sequences(TOY), 4))
     assert held["flat"]["activations"] == 5 * 11  # one padded batch: 5 rollouts x the longest, 11
     assert held["packed"]["activations"] == 18
     assert held["dfs"] == {"activations": 4, "path": 8}
-    assert isinstance(viz_engine.draw_held_tokens(dfs_trace(RolloutTrie.from_sequences(TOY), 4)), go.Figure)
+    assert isinstance(viz.draw_held_tokens(dfs_trace(RolloutTrie.from_sequences(TOY), 4)), go.Figure)
 
 
 def test_mode_memory_rows_read_the_monitor_windows():
@@ -258,55 +258,53 @@ def test_mode_memory_rows_read_the_monitor_windows():
     report = SimpleNamespace(peak_memory_bytes=None, time_s=0.5, flat_tokens=10, grad_tokens=8,
                              recomputed_tokens=2, modes=["dfs"])  # fmt: skip
     gpu = SimpleNamespace(**{**vars(report), "peak_memory_bytes": 3 * 2**20})
-    rows = viz_engine.mode_memory_rows(
+    rows = viz.mode_memory_rows(
         {"flat": SimpleNamespace(report=report), "dfs": SimpleNamespace(report=gpu)}, monitor
     )
     assert rows[0]["peak_mib"] == 80 and rows[0]["memory"] == "host RSS rise"
     assert rows[1]["peak_mib"] == 3 and rows[1]["memory"] == "CUDA peak allocated"
-    assert viz_engine.host_rss_rise(samples, 1.3, 1.7) == 10  # baseline 120 at 1.2, peak 130
-    assert viz_engine.host_rss_rise([Sample(0.0, None, ())], 0, 1) is None
+    assert viz.host_rss_rise(samples, 1.3, 1.7) == 10  # baseline 120 at 1.2, peak 130
+    assert viz.host_rss_rise([Sample(0.0, None, ())], 0, 1) is None
     with pytest.raises(KeyError, match="no step labelled 'packed'"):
-        viz_engine.mode_memory_rows({"packed": SimpleNamespace(report=report)}, monitor)
-    assert isinstance(viz_engine.draw_mode_memory(rows), go.Figure)
+        viz.mode_memory_rows({"packed": SimpleNamespace(report=report)}, monitor)
+    assert isinstance(viz.draw_mode_memory(rows), go.Figure)
 
 
 def test_micro_batches_drawn_on_the_trie():
     seqs = [[1] * 6 + [k, k + 1] for k in range(10, 20, 2)] + [[2] * 9, [3] * 9 + [4]]
     trie = RolloutTrie.from_sequences(seqs)
-    rows = viz_engine.micro_batch_choices(trie, token_budget=14, block_tokens=4)
+    rows = viz.micro_batch_choices(trie, token_budget=14, block_tokens=4)
     assert sorted(i for r in rows for i in r["sequences"]) == list(range(len(seqs)))
     assert all(r["choice"] in MODES and set(r["predicted"]) == set(MODES) for r in rows)
-    colors = viz_engine.micro_batch_colors(trie, rows)
+    colors = viz.micro_batch_colors(trie, rows)
     assert set(colors) == set(range(1, len(trie.nodes)))  # every node of the trie is labelled
     assert "shared prefix (carried)" in colors.values()  # the prompt [1]*6 is cut across micro-batches
-    fig = viz_engine.draw_micro_batches(trie, rows)
+    fig = viz.draw_micro_batches(trie, rows)
     assert f"{len(rows)} micro-batches" in fig.layout.title.text
-    table = viz_engine.draw_micro_batch_table(rows)
+    table = viz.draw_micro_batch_table(rows)
     assert len(table.data[0].header.values) == 5 + 3 + 1  # no GiB columns under the uncalibrated prior
 
 
 def test_micro_batches_with_a_calibrated_model_and_a_memory_limit():
-    payload = viz_engine_payload()
+    payload = train_bench_payload()
     model = CostModel.from_dict(payload["cost_model"])
     trie = RolloutTrie.from_sequences([[1] * 3000 + [k] * 500 for k in range(2, 10)])
-    free = viz_engine.micro_batch_choices(trie, token_budget=None, block_tokens=4096, cost_model=model)
-    tight = viz_engine.micro_batch_choices(
+    free = viz.micro_batch_choices(trie, token_budget=None, block_tokens=4096, cost_model=model)
+    tight = viz.micro_batch_choices(
         trie, token_budget=None, block_tokens=4096, cost_model=model, memory_limit=10 * 2**30
     )
     assert free[0]["choice"] != "dfs" and tight[0]["choice"] == "dfs"  # only dfs fits in 10 GiB
-    table = viz_engine.draw_micro_batch_table(tight)
+    table = viz.draw_micro_batch_table(tight)
     assert len(table.data[0].header.values) == 5 + 3 + 3 + 1
 
 
-def viz_engine_payload():
-    from treeattn_lab.lab import viz
-
+def train_bench_payload():
     return viz.load_bench_results("train", "NVIDIA-H200")
 
 
 def test_train_bench_figure_from_the_committed_h200_results():
-    payload = viz_engine_payload()
-    fig = viz_engine.draw_train_bench(payload)
+    payload = train_bench_payload()
+    fig = viz.draw_train_bench(payload)
     bars = [t for t in fig.data if t.type == "bar"]
     modes = {r["mode"] for r in payload["rows"]}
     assert len(bars) == 2 * len(modes)
@@ -315,10 +313,10 @@ def test_train_bench_figure_from_the_committed_h200_results():
 
 
 def test_gradient_errors_figure():
-    fig = viz_engine.draw_gradient_errors({"flat": 0.0, "dfs": 1e-15}, tolerance=1e-9)
+    fig = viz.draw_gradient_errors({"flat": 0.0, "dfs": 1e-15}, tolerance=1e-9)
     assert list(fig.data[0].y) == [1e-18, 1e-15]
     with pytest.raises(ValueError, match="empty"):
-        viz_engine.draw_gradient_errors({})
+        viz.draw_gradient_errors({})
 
 
 def test_tree_backward_report_feeds_the_memory_rows():
@@ -327,6 +325,6 @@ def test_tree_backward_report_feeds_the_memory_rows():
     trie = RolloutTrie.from_sequences(TOY)
     results = {m: tree_backward(model, trie, mode=m, block_tokens=4) for m in MODES}
     steps = [Step(i, 1.0 + i, 1.0, m) for i, m in enumerate(MODES)]
-    rows = viz_engine.mode_memory_rows(results, SimpleNamespace(samples=[], steps=steps))
+    rows = viz.mode_memory_rows(results, SimpleNamespace(samples=[], steps=steps))
     dfs = rows[MODES.index("dfs")]
     assert dfs["grad_tokens"] == 18 and dfs["recomputed_tokens"] == dfs_trace(trie, 4)[-1].no_grad_tokens

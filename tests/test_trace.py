@@ -5,7 +5,7 @@ import json
 import pytest
 
 from treeattn_lab.bench.trace import gpu_timeline, kernel_family
-from treeattn_lab.lab.sparse_viz import draw_gpu_timeline
+from treeattn_lab.lab.viz import draw_gpu_timeline
 
 
 def _event(name, ts, dur, stream, cat="kernel"):

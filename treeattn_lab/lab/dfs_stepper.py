@@ -20,7 +20,7 @@ whose gradients have arrived). A test ties the trace to the engine itself: the p
 ``PathState`` while each block runs, and the buffer slots that really hold gradients.
 
 :class:`DfsStepper` plays a trace in a notebook: ipywidgets Play, a slider and step buttons over a plotly
-``FigureWidget`` drawn by :func:`treeattn_lab.lab.viz_engine.draw_dfs_step`.
+``FigureWidget`` drawn by :func:`treeattn_lab.lab.viz.draw_dfs_step`.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class DfsStepper:
         stepper            # in a notebook: the widget (Play, slider, buttons, figure, sentence)
         stepper.show(5)    # jump to event 5 from code (the figure and the sentence follow)
 
-    The figure is :func:`treeattn_lab.lab.viz_engine.draw_dfs_step`: the blocks of the trie coloured by
+    The figure is :func:`treeattn_lab.lab.viz.draw_dfs_step`: the blocks of the trie coloured by
     state (running, on the K/V stack, done, waiting), the K/V stack by position and the gradient buffers'
     fill. It is restyled in place on every change, so playing does not rebuild it.
     """
@@ -264,7 +264,7 @@ class DfsStepper:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
-        from .viz_engine import draw_dfs_step
+        from .viz.dfs import draw_dfs_step
 
         last = len(self.trace) - 1
         # the sentence goes in an HTML line above the figure, not in its title
@@ -287,7 +287,7 @@ class DfsStepper:
         return f"<b>event {i + 1} of {len(self.trace)}</b>: {self.trace.describe(i)}"
 
     def _on_index(self, change) -> None:
-        from .viz_engine import restyle_dfs_step
+        from .viz.dfs import restyle_dfs_step
 
         restyle_dfs_step(self.figure, self.trace, change["new"], title=self.title, sentence=False)
         self.sentence.value = self._sentence(change["new"])

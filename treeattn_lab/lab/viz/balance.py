@@ -1,10 +1,9 @@
-"""Plotly drawings of partitions over ranks (notebook 04). Pure functions: data in, a Figure out.
+"""Drawing partitions of a trie over ranks, their balance and a measured step per rank.
 
-- :func:`rank_colors`: ``{node: "rank r" | "replicated"}`` for :func:`treeattn_lab.lab.viz.draw_trie`.
-- :func:`draw_partition`: the trie coloured by the rank that computes each node.
+- :func:`rank_colors` / :func:`draw_partition`: the trie coloured by the rank that computes each node.
 - :func:`draw_rank_loads`: each rank's cost under several partitioners, side by side, with the lower bound.
-- :func:`draw_sweep`: a metric (imbalance, makespan over the bound, ...) against K, one panel per set.
-- :func:`draw_timeline`: a measured step per rank: compute, wait for the slowest rank, all-reduce.
+- :func:`draw_balance_sweep`: a metric (imbalance, makespan over the bound, ...) against K, one panel per set.
+- :func:`draw_rank_timeline`: a measured step per rank: compute, wait for the slowest rank, all-reduce.
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .viz import PALETTE, draw_trie
+from .style import PALETTE
+from .tries import draw_trie
 
 REPLICATED = "replicated"
 _DASHES = ("solid", "dash", "dot", "dashdot")
@@ -74,7 +74,7 @@ def draw_rank_loads(reports: Mapping[str, object], *, title: str | None = None) 
     return fig
 
 
-def draw_sweep(
+def draw_balance_sweep(
     rows: Sequence[Mapping], metric: str = "imbalance", *, title: str | None = None, log_y: bool = False
 ) -> go.Figure:
     """``metric`` of :func:`treeattn_lab.distributed.balance_sim.simulate` rows against K, one panel per
@@ -118,7 +118,7 @@ def draw_sweep(
     return fig
 
 
-def draw_timeline(timeline: Sequence[Mapping], *, title: str | None = None) -> go.Figure:
+def draw_rank_timeline(timeline: Sequence[Mapping], *, title: str | None = None) -> go.Figure:
     """One step per rank as stacked horizontal bars: compute (its share through ``tree_backward``), wait
     (for the slowest rank), all-reduce. A diamond marks the predicted compute time, scaled so that the
     predicted and measured makespans coincide (the cost model's units may be another device's seconds):
@@ -160,3 +160,13 @@ def draw_timeline(timeline: Sequence[Mapping], *, title: str | None = None) -> g
         yaxis=dict(autorange="reversed"),
     )
     return fig
+
+
+__all__ = [
+    "REPLICATED",
+    "draw_balance_sweep",
+    "draw_partition",
+    "draw_rank_loads",
+    "draw_rank_timeline",
+    "rank_colors",
+]

@@ -1,0 +1,72 @@
+"""The look every drawing shares: colours, colour scales, legend entries, wrapped titles.
+
+Colours name what they show, so the same thing has the same colour in every notebook: a highlighted
+rollout is :data:`HIGHLIGHT_COLOR` on a trie and on the DFS stack, a backend or an engine mode keeps its
+colour across bench figures (:data:`BACKEND_COLORS`, :data:`MODE_COLORS`), a rank its colour across the
+partition and ring drawings (:data:`PALETTE`).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+NODE_COLOR = "#4C78A8"
+ROOT_COLOR = "#888888"
+EDGE_COLOR = "#B0B0B0"
+HIGHLIGHT_COLOR = "#E45756"
+DIMMED_COLOR = "#C8D3E0"
+PALETTE = qualitative.Plotly  # categories, partitioners and ranks, in order
+MASK_COLORSCALE = [[0.0, "#F4F4F4"], [1.0, "#2F5D8A"]]  # masked, attended
+BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "reference": "#72B7B2"}
+MODE_COLORS = {"flat": "#888888", "packed": "#4C78A8", "dfs": "#E45756", "auto": "#54A24B"}
+TABLE_HEADER_COLOR = "#2F5D8A"
+TABLE_CELL_COLOR = "#F7F7F7"
+
+
+def stepped_colorscale(colors: Sequence[str]) -> list[list]:
+    """A plotly colorscale with one flat band per colour: value ``i`` of ``zmin=-0.5, zmax=n-0.5`` (or
+    ``zmin=0, zmax=n``, each band's lower edge) is drawn in ``colors[i]``."""
+    n = len(colors)
+    scale = []
+    for i, color in enumerate(colors):
+        scale += [[i / n, color], [(i + 1) / n, color]]
+    return scale
+
+
+def labelled_bar(x, y, text, **trace) -> go.Bar:
+    """A bar trace with each bar's label (``text``) printed above it, never clipped by the axis."""
+    return go.Bar(x=x, y=y, text=text, textposition="outside", cliponaxis=False, **trace)
+
+
+def legend_entry(name: str, marker: dict, **trace) -> go.Scatter:
+    """A trace with no points and one marker in the legend, to name a colour that a heatmap or a
+    per-point colour list does not name itself."""
+    return go.Scatter(x=[None], y=[None], mode="markers", name=name, marker=marker, **trace)
+
+
+def wrap(text: str, width: int = 100) -> str:
+    """``text`` broken into lines of at most ``width`` characters with ``<br>`` (plotly titles)."""
+    return "<br>".join(textwrap.wrap(text, width))
+
+
+def table_figure(
+    header: Sequence[str], columns: Sequence[Sequence], *, height: int, header_align="left", cell_align="left"
+) -> go.Figure:
+    """A plotly table in the lab's colours: ``columns`` are the cell values, one list per column."""
+    fig = go.Figure(
+        go.Table(
+            header=dict(
+                values=list(header),
+                fill_color=TABLE_HEADER_COLOR,
+                font=dict(color="white"),
+                align=header_align,
+            ),
+            cells=dict(values=[list(c) for c in columns], align=cell_align, fill_color=TABLE_CELL_COLOR),
+        )
+    )
+    fig.update_layout(height=height, margin=dict(l=10, r=10, t=10, b=10))
+    return fig

@@ -1,0 +1,224 @@
+"""Drawing a rollout trie: a tidy layered tree, one marker per radix node.
+
+- :func:`draw_trie`: the trie, marker area by token count, optionally one rollout highlighted or the
+  nodes coloured by category (a micro-batch, a rank).
+- :func:`tree_layout` / :func:`bfs_nodes` / :func:`node_size`: the layout pieces, reused by the drawings
+  of the DFS engine's blocks.
+
+Pure functions: data in, a ``plotly.graph_objects.Figure`` out, never ``.show()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import plotly.graph_objects as go
+
+from .style import DIMMED_COLOR, EDGE_COLOR, HIGHLIGHT_COLOR, NODE_COLOR, PALETTE, ROOT_COLOR, legend_entry
+
+if TYPE_CHECKING:  # pragma: no cover
+    import networkx
+
+    from ...trie import RolloutTrie
+
+_MAX_ENDS_SHOWN = 12
+
+
+def bfs_nodes(graph: networkx.DiGraph, root: Hashable = 0, limit: int | None = None) -> list:
+    """Vertices of a tree in breadth-first order from ``root``, at most ``limit`` of them."""
+    out, queue = [], deque([root])
+    while queue and (limit is None or len(out) < limit):
+        node = queue.popleft()
+        out.append(node)
+        queue.extend(graph.successors(node))
+    return out
+
+
+def tree_layout(graph: networkx.DiGraph, root: Hashable = 0) -> dict[Hashable, tuple[float, float]]:
+    """A tidy layered layout of a tree: ``{vertex: (x, y)}``.
+
+    Leaves sit at x = 0, 1, 2, ... in depth-first order; a parent sits at the midpoint of its first and
+    last child, so no edges cross. ``y`` is minus the number of edges from the root (root on top).
+    """
+    pos: dict[Hashable, tuple[float, float]] = {}
+    next_leaf = 0
+    # iterative post-order DFS (a recursive walk would hit Python's limit on deep agentic tries)
+    stack: list[tuple[Hashable, int, bool]] = [(root, 0, False)]
+    while stack:
+        node, depth, expanded = stack.pop()
+        kids = list(graph.successors(node))
+        if not kids:
+            pos[node] = (float(next_leaf), -float(depth))
+            next_leaf += 1
+        elif expanded:
+            pos[node] = ((pos[kids[0]][0] + pos[kids[-1]][0]) / 2, -float(depth))
+        else:
+            stack.append((node, depth, True))
+            stack.extend((k, depth + 1, False) for k in reversed(kids))
+    return pos
+
+
+def node_size(num_tokens: int) -> float:
+    """Marker diameter in pixels: grows with the square root of the node's token count."""
+    return 7.0 + 2.2 * math.sqrt(num_tokens)
+
+
+def _hover(node: int, attrs: dict, hidden_children: int) -> str:
+    ends = attrs["ends"]
+    if not ends:
+        ends_txt = "-"
+    else:
+        ends_txt = ", ".join(str(e) for e in ends[:_MAX_ENDS_SHOWN])
+        if len(ends) > _MAX_ENDS_SHOWN:
+            ends_txt += f" ... ({len(ends)} in all)"
+    if node == 0:
+        lines = ["<b>root</b> (holds no tokens)"]
+    else:
+        lines = [
+            f"<b>node {node}</b>",
+            f"tokens: {attrs['num_tokens']}",
+            f"positions: {attrs['depth']}..{attrs['end_depth'] - 1}",
+            f"sequences ending here: {ends_txt}",
+            f"preview: {attrs['preview']}",
+        ]
+    if hidden_children:
+        lines.append(f"<i>{hidden_children} child node(s) not drawn</i>")
+    return "<br>".join(lines)
+
+
+def _edge_segments(graph, pos, highlighted: set) -> tuple[list, list, list, list]:
+    """Edges as plotly line segments separated by None: ``(x, y)`` of the plain edges, then of the edges
+    between highlighted nodes (or from the root to one)."""
+    ex, ey, hx, hy = [], [], [], []
+    for u, v in graph.edges():
+        on_path = v in highlighted and (u in highlighted or u == 0)
+        xs, ys = (hx, hy) if on_path else (ex, ey)
+        xs += [pos[u][0], pos[v][0], None]
+        ys += [pos[u][1], pos[v][1], None]
+    return ex, ey, hx, hy
+
+
+def _node_color(n, highlighted: set, color_by, cat_color) -> str:
+    if n in highlighted:
+        return HIGHLIGHT_COLOR
+    if color_by and n in color_by:
+        return cat_color[color_by[n]]
+    if n == 0:
+        return ROOT_COLOR
+    return DIMMED_COLOR if highlighted else NODE_COLOR
+
+
+def _node_trace(full, graph, kept, pos, highlighted: set, color_by, cat_color) -> go.Scatter:
+    """One marker per kept node: size by token count, colour by highlight or category, hover text."""
+    colors = [_node_color(n, highlighted, color_by, cat_color) for n in kept]
+    return go.Scatter(
+        x=[pos[n][0] for n in kept],
+        y=[pos[n][1] for n in kept],
+        mode="markers",
+        name="nodes",
+        showlegend=False,
+        customdata=kept,
+        text=[_hover(n, full.nodes[n], full.out_degree(n) - graph.out_degree(n)) for n in kept],
+        hovertemplate="%{text}<extra></extra>",
+        marker=dict(
+            size=[node_size(full.nodes[n]["num_tokens"]) for n in kept],
+            color=colors,
+            line=dict(width=[2.5 if n in highlighted else 0.5 for n in kept], color="#333333"),
+            opacity=0.95,
+        ),
+    )
+
+
+def _edge_trace(xs, ys, name: str, color: str, width: float) -> go.Scatter:
+    return go.Scatter(
+        x=xs,
+        y=ys,
+        mode="lines",
+        name=name,
+        hoverinfo="skip",
+        showlegend=False,
+        line=dict(color=color, width=width),
+    )
+
+
+def _trie_layout(fig, trie, title, shown: int, truncated: bool, depth: int, categories) -> None:
+    s = trie.stats()
+    head = title or "Rollout trie"
+    sub = (
+        f"{s['num_sequences']} sequences, {s['num_nodes']} nodes, "
+        f"{s['flat_tokens']} flat -> {s['tree_tokens']} tree tokens (x{s['token_ratio']:.2f})"
+    )
+    if truncated:
+        sub += f"; showing the first {shown} of {s['num_nodes']} nodes (BFS)"
+    fig.update_layout(
+        title=dict(text=f"{head}<br><sup>{sub}</sup>"),
+        template="plotly_white",
+        hovermode="closest",
+        xaxis=dict(visible=False),
+        yaxis=dict(
+            title="node depth (edges from the root)",
+            tickvals=[-d for d in range(depth + 1)],
+            ticktext=[str(d) for d in range(depth + 1)],
+            zeroline=False,
+            showgrid=False,
+        ),
+        height=max(320, min(900, 140 + 60 * (depth + 1))),
+        margin=dict(l=60, r=20, t=80, b=30),
+        legend=dict(title="category") if categories else None,
+    )
+
+
+def draw_trie(
+    trie: RolloutTrie,
+    *,
+    max_nodes: int = 400,
+    highlight: Iterable[int] | None = None,
+    color_by: Mapping[int, Hashable] | None = None,
+    title: str | None = None,
+) -> go.Figure:
+    """Draw a :class:`RolloutTrie`: one marker per radix node, parent -> child edges as lines.
+
+    Marker area grows with the node's token count; hover shows the node id, its token count, the
+    positions it covers (``depth..end_depth - 1``), the sequences ending there and its first tokens.
+    Only the root and the first ``max_nodes`` nodes in breadth-first order are drawn (the root holds
+    no tokens and is not counted, as in ``trie.num_nodes``); the title says so when the trie is bigger.
+
+    Args:
+        highlight: node ids to emphasise (e.g. ``trie.path(trie.seq_end_node[i])``, one rollout); the
+            other nodes are dimmed and the edges between highlighted nodes (and the root) drawn red.
+        color_by: ``{node id: category}`` colours the nodes by category (one legend entry each);
+            nodes missing from the dict keep the default colour.
+    """
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be at least 1, got {max_nodes}")
+    full = trie.to_networkx()
+    kept = bfs_nodes(full, 0, limit=max_nodes + 1)
+    graph = full.subgraph(kept)
+    pos = tree_layout(graph, 0)
+
+    hi = set(highlight) if highlight is not None else set()
+    unknown = hi - set(full.nodes)
+    if unknown:
+        raise ValueError(f"highlight names nodes the trie does not have: {sorted(unknown)[:5]}")
+    categories = []
+    if color_by:
+        categories = sorted({color_by[n] for n in color_by}, key=lambda c: (str(type(c)), c))
+    cat_color = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(categories)}
+
+    ex, ey, hx, hy = _edge_segments(graph, pos, hi)
+    fig = go.Figure()
+    fig.add_trace(_edge_trace(ex, ey, "edges", EDGE_COLOR, 1))
+    if hx:
+        fig.add_trace(_edge_trace(hx, hy, "highlighted edges", HIGHLIGHT_COLOR, 3))
+    fig.add_trace(_node_trace(full, graph, kept, pos, hi, color_by, cat_color))
+    for c in categories:  # legend-only entries, so the colours can be read
+        fig.add_trace(legend_entry(str(c), dict(size=10, color=cat_color[c]), showlegend=True))
+    depth = int(max(-pos[n][1] for n in kept))
+    _trie_layout(fig, trie, title, len(kept) - 1, len(kept) < full.number_of_nodes(), depth, categories)
+    return fig
+
+
+__all__ = ["bfs_nodes", "draw_trie", "node_size", "tree_layout"]
