@@ -16,6 +16,9 @@ The library's own solution sits next to each checker, one module per notebook to
   partial attention results merged by their log-sum-exps (ring attention's rule).
 - :mod:`.dilated` (notebook 06): :func:`dilated_keys` / :func:`check_dilated_keys`, the keys a query sees
   under dilated attention with a window and initial tokens.
+
+:mod:`.checking` holds what the checkers share: random rollouts, the learner's function called safely,
+a failed case reported with its hint.
 """
 
 from .balance import check_contiguous_cuts, contiguous_cuts

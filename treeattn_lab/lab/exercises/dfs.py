@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from ...engine.dfs import split_blocks, visit_order
 from ...trie import RolloutTrie
 from ..dfs_stepper import dfs_trace
-from .tries import _as_int_list, _call_learner, _random_case
+from .checking import as_int_list, call_learner, random_rollout_case, report_failure
 
 EVENTS = ("push", "leaf", "pop")
 
@@ -110,7 +110,7 @@ def check_stack_positions(
     rng = random.Random(seed)
     cases = 0
     for case in range(1, trials + 1):
-        pack = RolloutTrie.from_sequences(_random_case(rng, case)).pack(
+        pack = RolloutTrie.from_sequences(random_rollout_case(rng, case)).pack(
             order=rng.choice(["insertion", "size"])
         )
         block_tokens = rng.randint(1, 5)
@@ -120,10 +120,10 @@ def check_stack_positions(
         for block in sorted({deepest, rng.randrange(len(parent)), rng.randrange(len(parent))}):
             expected = prefix[block]
             inputs = [f"parent = {parent}", f"ranges = {ranges}", f"block  = {block}"]
-            got = _call_learner(
+            got = call_learner(
                 fn,
                 (list(parent), [tuple(r) for r in ranges], block),
-                _as_int_list,
+                as_int_list,
                 call="fn(parent, ranges, block)",
                 inputs=inputs,
                 hint="return a list of ints: the packed positions on the stack when the block runs.",
@@ -133,12 +133,9 @@ def check_stack_positions(
                 return False
             cases += 1
             if sorted(got) != expected or len(got) != len(expected):
-                if verbose:
-                    print(f"fail on case {cases}:")
-                    for line in [*inputs, f"expected {expected}", f"got      {sorted(got)}"]:
-                        print(f"  {line}")
-                    print(f"hint: {_stack_hint(parent, ranges, block, expected, got)}")
-                return False
+                lines = [*inputs, f"expected {expected}", f"got      {sorted(got)}"]
+                hint_args = (parent, ranges, block, expected, got)
+                return report_failure(cases, lines, verbose, _stack_hint, *hint_args)
     if verbose:
         print(f"pass: {cases} blocks of {trials} random tries")
     return True
@@ -232,13 +229,13 @@ def check_dfs_events(
     """
     rng = random.Random(seed)
     for case in range(1, trials + 1):
-        pack = RolloutTrie.from_sequences(_random_case(rng, case)).pack(
+        pack = RolloutTrie.from_sequences(random_rollout_case(rng, case)).pack(
             order=rng.choice(["insertion", "size"])
         )
         blocks = split_blocks(pack, rng.randint(1, 5))
         parent = [b.parent for b in blocks]
         expected = list(visit_order(blocks))
-        got = _call_learner(
+        got = call_learner(
             fn,
             (list(parent),),
             _as_events,
@@ -250,12 +247,8 @@ def check_dfs_events(
         if got is None:
             return False
         if got != expected:
-            if verbose:
-                print(f"fail on case {case}:")
-                for line in [f"parent = {parent}", f"expected {expected}", f"got      {got}"]:
-                    print(f"  {line}")
-                print(f"hint: {_events_hint(parent, expected, got)}")
-            return False
+            lines = [f"parent = {parent}", f"expected {expected}", f"got      {got}"]
+            return report_failure(case, lines, verbose, _events_hint, parent, expected, got)
     if verbose:
         print(f"pass: {trials} random tries")
     return True

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...trie import RolloutTrie
+from .checking import random_rollouts
 
 
 # ------------------------------------------------------------------------------------ ancestor keys
@@ -37,20 +38,6 @@ def ancestor_keys(subtree_end, q0: int) -> list[tuple[int, int]]:
         else:
             ranges.append((k, k + 1))
     return ranges
-
-
-def _random_rollouts(rng: random.Random) -> list[list[int]]:
-    """A few rollouts over a tiny vocabulary (so they share prefixes), with forks at random depths."""
-    vocab = rng.choice([2, 3, 5])
-    seqs: list[list[int]] = []
-    for _ in range(rng.randint(1, 8)):
-        if seqs and rng.random() < 0.6:  # fork off an earlier rollout
-            base = rng.choice(seqs)
-            tail = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
-            seqs.append(base[: rng.randint(0, len(base))] + tail)
-        else:
-            seqs.append([rng.randrange(vocab) for _ in range(rng.randint(1, 24))])
-    return seqs
 
 
 def _as_ranges(answer) -> list[tuple[int, int]]:
@@ -110,7 +97,7 @@ def check_ancestor_keys(
     rng = random.Random(seed)
     cases = 0
     for _ in range(trials):
-        pack = RolloutTrie.from_sequences(_random_rollouts(rng)).pack()
+        pack = RolloutTrie.from_sequences(random_rollouts(rng)).pack()
         se = pack.subtree_end.tolist()
         T = len(se)
         starts = {0, T - 1, rng.randrange(T)} | set(range(0, T, 8))

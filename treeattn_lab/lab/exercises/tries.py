@@ -9,47 +9,11 @@ from the trie's nodes (notebook 01).
 
 from __future__ import annotations
 
-import operator
 import random
 from collections.abc import Callable, Sequence
 
 from ...trie import RolloutTrie
-from .tile_schedule import _random_rollouts
-
-
-# ------------------------------------------------------------------------------------ random cases
-def _random_case(rng: random.Random, case: int) -> list[list[int]]:
-    """Random rollouts with forks (as in notebook 03's exercise), sometimes with an exact duplicate and a
-    rollout that is a prefix of another, which a trie must count once. Cases grow with ``case`` (from 1),
-    so the first failing case a learner reads is a small one."""
-    seqs = [s[: 3 + case] for s in _random_rollouts(rng)[: 2 + case // 3]]
-    if rng.random() < 0.3:
-        seqs.append(list(rng.choice(seqs)))
-    if rng.random() < 0.3:
-        base = rng.choice(seqs)
-        seqs.append(base[: rng.randint(1, len(base))])
-    rng.shuffle(seqs)
-    return seqs
-
-
-def _call_learner(fn, args: tuple, convert, *, call: str, inputs: list[str], hint: str, verbose: bool):
-    """``convert(fn(*args))``, or None (after saying why when ``verbose``): the learner's exception or an
-    answer of the wrong type is reported, never raised."""
-    try:
-        answer = fn(*args)
-    except Exception as e:
-        why = f"raised {type(e).__name__}: {e}"
-    else:
-        try:
-            return convert(answer)
-        except TypeError as e:
-            why = f"returned the wrong type: {e}"
-    if not verbose:
-        return None
-    print(f"fail: {call} {why}")
-    for line in inputs:
-        print(f"  {line}")
-    print(f"hint: {hint}")
+from .checking import as_count, as_int_list, call_learner, random_rollout_case, report_failure
 
 
 # ------------------------------------------------------------------------------------ tree tokens
@@ -61,12 +25,6 @@ def tree_tokens(seqs: Sequence[Sequence[int]]) -> int:
     ``RolloutTrie.from_sequences(seqs).stats()["tree_tokens"]``.
     """
     return len({tuple(s[: i + 1]) for s in seqs for i in range(len(s))})
-
-
-def _as_count(answer) -> int:
-    if isinstance(answer, bool) or not hasattr(answer, "__index__"):
-        raise TypeError(f"expected an int, got {answer!r:.60} of type {type(answer).__name__}")
-    return operator.index(answer)
 
 
 def _tree_tokens_hint(seqs: list[list[int]], expected: int, got: int) -> str:
@@ -101,12 +59,12 @@ def check_tree_tokens(
     """
     rng = random.Random(seed)
     for case in range(1, trials + 1):
-        seqs = _random_case(rng, case)
+        seqs = random_rollout_case(rng, case)
         expected = RolloutTrie.from_sequences(seqs).stats()["tree_tokens"]
-        got = _call_learner(
+        got = call_learner(
             fn,
             ([list(s) for s in seqs],),
-            _as_count,
+            as_count,
             call="fn(rollouts)",
             inputs=[f"rollouts = {seqs}"],
             hint="return one int: the number of tokens the trie stores.",
@@ -115,10 +73,8 @@ def check_tree_tokens(
         if got is None:
             return False
         if got != expected:
-            if verbose:
-                print(f"fail on case {case}:\n  rollouts = {seqs}\n  expected {expected}\n  got      {got}")
-                print(f"hint: {_tree_tokens_hint(seqs, expected, got)}")
-            return False
+            lines = [f"rollouts = {seqs}", f"expected {expected}", f"got      {got}"]
+            return report_failure(case, lines, verbose, _tree_tokens_hint, seqs, expected, got)
     if verbose:
         print(f"pass: {trials} random batches of rollouts")
     return True
@@ -147,7 +103,7 @@ def subtree_end_from_nodes(parent: Sequence[int], num_tokens: Sequence[int]) -> 
     in preorder, so a node's total is complete when it is reached); a node's subtree then ends at its start
     plus its subtree total, and each of its tokens gets that value.
     """
-    parent, num_tokens = _as_int_list(parent), _as_int_list(num_tokens)
+    parent, num_tokens = as_int_list(parent), as_int_list(num_tokens)
     if len(parent) != len(num_tokens) or not parent:
         raise ValueError(
             "parent and num_tokens must be non-empty lists of one length, "
@@ -175,14 +131,6 @@ def subtree_end_from_nodes(parent: Sequence[int], num_tokens: Sequence[int]) -> 
     for n in range(len(parent) - 1, 0, -1):
         subtree[parent[n]] += subtree[n]
     return [starts[n] + subtree[n] for n in range(len(parent)) for _ in range(num_tokens[n])]
-
-
-def _as_int_list(answer) -> list[int]:
-    if hasattr(answer, "tolist"):  # a tensor or an array
-        answer = answer.tolist()
-    if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence):
-        raise TypeError(f"expected a list of ints, got {type(answer).__name__}")
-    return [_as_count(v) for v in answer]
 
 
 def _subtree_end_hint(parent, num_tokens, expected: list[int], got: list[int]) -> str:
@@ -226,15 +174,15 @@ def check_subtree_end(
     """
     rng = random.Random(seed)
     for case in range(1, trials + 1):
-        trie = RolloutTrie.from_sequences(_random_case(rng, case))
+        trie = RolloutTrie.from_sequences(random_rollout_case(rng, case))
         pack = trie.pack(order=rng.choice(["insertion", "size"]))
         parent, num_tokens = pack_nodes(pack)
         expected = pack.subtree_end.tolist()
         inputs = [f"parent     = {parent}", f"num_tokens = {num_tokens}"]
-        got = _call_learner(
+        got = call_learner(
             fn,
             (list(parent), list(num_tokens)),
-            _as_int_list,
+            as_int_list,
             call="fn(parent, num_tokens)",
             inputs=inputs,
             hint=f"return a list of {len(expected)} ints, one exclusive end per packed token.",
@@ -243,12 +191,8 @@ def check_subtree_end(
         if got is None:
             return False
         if got != expected:
-            if verbose:
-                print(f"fail on case {case}:")
-                for line in [*inputs, f"expected {expected}", f"got      {got}"]:
-                    print(f"  {line}")
-                print(f"hint: {_subtree_end_hint(parent, num_tokens, expected, got)}")
-            return False
+            lines = [*inputs, f"expected {expected}", f"got      {got}"]
+            return report_failure(case, lines, verbose, _subtree_end_hint, parent, num_tokens, expected, got)
     if verbose:
         print(f"pass: {trials} random tries")
     return True
