@@ -28,10 +28,10 @@ def tree_mask_mod(subtree_end: torch.Tensor):
 
 
 def main() -> None:  # pragma: no cover - draw it yourself: python -m treeattn_lab.patterns.tree
-    from ..trie import RolloutTrie
-
-    trie = RolloutTrie.from_sequences([[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6], [7, 8]])
-    mask = trie.pack().visibility_mask()
+    # the pack of the rollouts [1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6], [7, 8]: nodes in preorder
+    # (1 2)(3 4)(5)(6)(7 8), each token holding the packed end of its node's subtree
+    subtree_end = torch.tensor([6, 6, 4, 4, 6, 6, 8, 8], dtype=torch.int32)
+    mask = tree_visibility(subtree_end)
     for row in mask.int().tolist():
         print("".join("#" if v else "." for v in row))
 
