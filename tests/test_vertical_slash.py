@@ -7,6 +7,7 @@ from hypothesis import given, settings
 
 from treeattn_lab.patterns.vertical_slash import (
     VerticalSlashPattern,
+    causal_row_probs,
     estimate,
     estimate_top_p,
     line_scores,
@@ -197,3 +198,19 @@ def test_synthetic_pattern_is_seeded_and_shaped():
     far = synthetic_pattern(4096, 3, n_vertical=100, n_slash=80, sinks=10, local=20, far_slash=1.0,
                             block_size=64, seed=5)
     assert far.density(4096) > a.density(4096), "scattered slashes cross more tiles"
+
+
+def test_causal_row_probs_match_a_float64_softmax_under_grouped_query_attention():
+    gen = torch.Generator().manual_seed(11)
+    n, hq, hkv, d = 37, 6, 2, 8
+    q, k = torch.randn(n, hq, d, generator=gen), torch.randn(n, hkv, d, generator=gen)
+    rows = torch.tensor([0, 1, 17, 36])
+    got = causal_row_probs(q, k, rows, scale=0.3)
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)  # query head h reads key head h // (hq // hkv)
+    scores = torch.einsum("rhd,shd->hrs", q.double()[rows], kk) * 0.3
+    scores = scores.masked_fill(torch.arange(n)[None, None, :] > rows[None, :, None], float("-inf"))
+    torch.testing.assert_close(got.double(), scores.softmax(-1), rtol=1e-5, atol=1e-6)
+    assert got.shape == (hq, rows.numel(), n) and (got[:, 0, 1:] == 0).all()
+    vertical, slash = line_scores(q, k, last_q=100)  # more queries than tokens: every row counts
+    torch.testing.assert_close(vertical.sum(1), torch.full((hq,), float(n)), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(slash.sum(1), torch.full((hq,), float(n)), rtol=1e-5, atol=1e-4)
