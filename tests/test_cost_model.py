@@ -129,8 +129,8 @@ def fitted_packed(scale_tokens: int) -> CostModel:
 
 
 def test_calibration_at_the_budget_predicts_budget_sized_micro_batches():
-    # the grpo_math micro-batches at a 32K budget; tries as small as the first calibration's (at most 8K
-    # tree tokens, host-bound) extrapolate far too low, tries that reach the budget predict them
+    # the grpo_math micro-batches at a 32K budget: tries of at most 8K tree tokens (host-bound on this
+    # device) extrapolate far too low, tries that reach the budget predict them
     real = [
         MicroBatchShape.of(mb.trie, 4096, 32768) for mb in plan_micro_batches(load_trie("grpo_math"), 32768)
     ]
@@ -158,7 +158,8 @@ def test_calibration_tries_reach_the_budget_with_rollouts_like_rl():
 
 
 def test_calibration_tries_at_tiny_scales_fit_or_refuse():
-    # a scale the deeper designs could not shrink to (fork only at the last level) used to loop forever
+    # scales the deeper designs cannot reach by dropping prompts alone: they shrink forks, then lengths,
+    # and refuse with a clear error where even one chain of single tokens is too big
     for scale in (4, 8):
         tries = calibration_tries(scale, vocab=50)
         assert all(sum(len(n.tokens) for n in t.nodes) <= scale for _, t in tries)
@@ -483,6 +484,24 @@ def test_a_failed_cache_write_leaves_no_partial_entry(fake_device, monkeypatch, 
     monkeypatch.setenv("TREEATTN_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration, "tree_backward", calibration.tree_backward)
     assert calibrate(model, **SETTINGS, progress=False, use_cache=True).calibrated
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"block_tokens": 0}, ValueError, "block_tokens must be at least 1"),
+        ({"token_budget": 2.5}, TypeError, "token_budget must be an int"),
+        ({"scale_tokens": True}, TypeError, "scale_tokens must be an int"),
+        ({"repeats": 0}, ValueError, "repeats must be at least 1"),
+        ({"seconds": -1.0}, ValueError, "seconds must be a finite number >= 0"),
+        ({"seconds": math.nan}, ValueError, "seconds must be a finite number >= 0"),
+        ({"seconds": "60"}, TypeError, "seconds must be a number"),
+    ],
+)
+def test_calibrate_refuses_bad_settings(fake_device, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        calibrate(tiny_model(), **{**SETTINGS, **kwargs}, progress=False)
+    assert fake_device["n"] == 0, "nothing was measured"
 
 
 def test_the_cache_key_sees_gradient_checkpointing(fake_device):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 import os
 import random
 import time
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_writer
+from ..checks import check_int
 from ..trie import RolloutTrie
 from .adapters import adapt
 from .cost_model import MODES, CostModel, MicroBatchShape, model_work
@@ -200,6 +203,7 @@ def calibrate(
     (the next call measures again). Otherwise the model is cached (:func:`cache_path`; the write is
     atomic); an entry that cannot be read back counts as missing and is overwritten.
     """
+    _check_settings(block_tokens, token_budget, scale_tokens, repeats, seconds)
     scale = _scale(token_budget, scale_tokens)
     path = cache_path(model, block_tokens, token_budget, scale)
     cached = _read_cache(path) if use_cache else None
@@ -235,6 +239,17 @@ def calibrate(
     return fitted
 
 
+def _check_settings(block_tokens, token_budget, scale_tokens, repeats, seconds) -> None:
+    check_int("block_tokens", block_tokens)
+    check_int("token_budget", token_budget, allow_none=True)
+    check_int("scale_tokens", scale_tokens, allow_none=True)
+    check_int("repeats", repeats)
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"seconds must be a number, got {type(seconds).__name__}")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"seconds must be a finite number >= 0, got {seconds}")
+
+
 def _read_cache(path: Path) -> CostModel | None:
     """The model cached at ``path``; None where there is none or it cannot be read back (cut off,
     corrupt, invalid coefficients), so that :func:`calibrate` measures again and overwrites it."""
@@ -249,11 +264,15 @@ def _shortfall(fitted: CostModel) -> str:
     report = fitted.fit_info["calibration"]
     done, total = len(report["measured"]), len(report["measured"]) + len(report["not_measured"])
     methods = ", ".join(f"{m}: {fitted.fit_info.get(m, {}).get('method', 'prior')}" for m in MODES)
-    limit = f" within its time limit of {report['seconds']} s" if report["stopped_by_time_limit"] else ""
+    if report["stopped_by_time_limit"]:
+        limit = f" within its time limit of {report['seconds']} s"
+        remedy = "give calibrate() more seconds (or a smaller scale_tokens)"
+    else:
+        limit, remedy = "", "the tries were too alike to tell the coefficients apart"
     return (
         f"calibrate() measured {done} of {total} calibration tries{limit}; time fits {methods} (only nnls "
-        "and physical fits are identified by the measurements). The cost model is not calibrated and not "
-        "cached: give calibrate() more seconds (or a smaller scale_tokens)."
+        f"and physical fits are identified by the measurements). The cost model is not calibrated and not "
+        f"cached: {remedy}."
     )
 
 
@@ -282,9 +301,7 @@ def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, prog
                 break
             shape = MicroBatchShape.of(trie, settings["block_tokens"], settings["token_budget"])
             for mode in MODES:
-                runs = [
-                    _run(model, trie, mode, settings) for _ in range(1 if mode == "dfs" else max(1, repeats))
-                ]
+                runs = [_run(model, trie, mode, settings) for _ in range(1 if mode == "dfs" else repeats)]
                 samples.append(
                     {
                         "mode": mode,
