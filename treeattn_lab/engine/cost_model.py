@@ -365,6 +365,33 @@ class CostModel:
         """
         if isinstance(observations, (str, bytes)) or not hasattr(observations, "__len__") or not observations:
             raise ValueError("observations must be a non-empty list of (parts, seconds) pairs")
+        P, y = self._observed(observations)
+        p = P.sum(1)
+        pooled = float(p @ y) / float(p @ p)
+        scales = dict.fromkeys(MODES, pooled)
+        per_mode, _ = nnls_normalized(P, y)
+        method = "pooled"
+        ran = [j for j, m in enumerate(MODES) if float(P[:, j].abs().max()) > 0]
+        if per_mode is not None and all(float(per_mode[j]) > 0 for j in ran):
+            scales.update({MODES[j]: float(per_mode[j]) for j in ran})
+            method = "per_mode"
+        fitted = P @ torch.tensor([scales[m] for m in MODES], dtype=torch.float64)
+        refined = copy.deepcopy(self)
+        refined.time = {m: [c * scales[m] for c in self.time[m]] for m in MODES}
+        refined.refinement = {
+            "method": method,
+            "scales": scales,
+            "observations": len(y),
+            "modes_observed": [MODES[j] for j in ran],
+            "median_abs_error_before": float(((p - y) / y).abs().median()),
+            "median_abs_error_after": float(((fitted - y) / y).abs().median()),
+            "previous": self.refinement,
+        }
+        return refined
+
+    def _observed(self, observations) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P [n, modes], y [n])`` of :meth:`refine`: this model's predicted seconds of each observation's
+        parts per mode, and the measured seconds; every observation checked."""
         P, y = [], []
         for i, obs in enumerate(observations):
             try:
@@ -389,30 +416,7 @@ class CostModel:
                 raise ValueError(f"observation {i}: the model predicts 0 s for it; nothing to rescale")
             P.append([row[m] for m in MODES])
             y.append(float(seconds))
-        P = torch.tensor(P, dtype=torch.float64)
-        y = torch.tensor(y, dtype=torch.float64)
-        p = P.sum(1)
-        pooled = float(p @ y) / float(p @ p)
-        scales = dict.fromkeys(MODES, pooled)
-        per_mode, _ = nnls_normalized(P, y)
-        method = "pooled"
-        ran = [j for j, m in enumerate(MODES) if float(P[:, j].abs().max()) > 0]
-        if per_mode is not None and all(float(per_mode[j]) > 0 for j in ran):
-            scales.update({MODES[j]: float(per_mode[j]) for j in ran})
-            method = "per_mode"
-        fitted = P @ torch.tensor([scales[m] for m in MODES], dtype=torch.float64)
-        refined = copy.deepcopy(self)
-        refined.time = {m: [c * scales[m] for c in self.time[m]] for m in MODES}
-        refined.refinement = {
-            "method": method,
-            "scales": scales,
-            "observations": len(y),
-            "modes_observed": [MODES[j] for j in ran],
-            "median_abs_error_before": float(((p - y) / y).abs().median()),
-            "median_abs_error_after": float(((fitted - y) / y).abs().median()),
-            "previous": self.refinement,
-        }
-        return refined
+        return torch.tensor(P, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
 
     def to_dict(self) -> dict:
         """A JSON-ready copy (nothing in it aliases the model)."""
