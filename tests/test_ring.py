@@ -5,10 +5,13 @@ fails the test instead of hanging CI; every case inside a world compares its ran
 dV with the full-sequence float64 reference. Layouts, schedules and sharding are checked in-process.
 """
 
+import time
+
 import pytest
 import torch
 
-from treeattn_lab.bench.ring import run_spawned, small_pattern
+from treeattn_lab.bench.ring import check_equivalence, run_spawned, small_pattern
+from treeattn_lab.distributed.cpu_ranks import run_cases, spawn
 from treeattn_lab.distributed.layouts import RingSchedule, block_owner, rank_blocks, shard, unshard
 from treeattn_lab.distributed.ring import ring_sparse_attention
 
@@ -51,6 +54,35 @@ def test_hierarchical_rings_of_six_ranks(inner):
     """2 nodes x 3 and 3 nodes x 2: with 3 in a loop, "next" and "previous" are different ranks, so a
     swapped direction in either loop (forward, or the backward walking the ring in reverse) fails."""
     _assert_close(run_spawned(6, [dict(layout="striped", tokens=96, inner=inner)], timeout=240), TOL)
+
+
+@pytest.mark.xdist_group("ring")
+def test_ranks_that_disagree_on_the_ring_fail_together_and_quickly():
+    """Another layout or another pattern of the same size on one rank, or a rank that rejects its own
+    input: every rank raises a clear error at once (no wrong output, no peer left waiting for the
+    collective timeout), and the group still runs a correct ring afterwards."""
+    cases = [
+        dict(layout="striped", rank_faults={1: {"layout": "zigzag"}}),
+        dict(layout="zigzag", rank_faults={1: {"pattern_seed": 7}}),
+        dict(layout="striped", rank_faults={0: {"drop_row": True}}),
+        dict(layout="striped"),
+    ]
+    started = time.monotonic()
+    per_rank = spawn(2, run_cases, {"fn": check_equivalence, "cases": cases}, timeout_s=120,
+                     collective_timeout_s=60)
+    assert time.monotonic() - started < 50, "a rank waited for a collective timeout"
+    assert all(r["ok"] for r in per_rank), per_rank
+    for rank, outcome in enumerate(per_rank):
+        mismatched_layout, mismatched_pattern, rejected, fine = outcome["value"]
+        for case in (mismatched_layout, mismatched_pattern):
+            assert not case["ok"] and case["error"] == "RankMismatchError", case
+            assert case["message"].startswith(f"rank {rank}: the ranks disagree on the ring's pattern")
+            assert "ranks [0] hold" in case["message"] and "ranks [1] hold" in case["message"]
+        assert not rejected["ok"] and rejected["error"] == "RankMismatchError", rejected
+        assert rejected["message"].startswith(f"rank {rank}: rank(s) [0] rejected their input")
+        assert "rank 0 holds 96 tokens under the striped layout, got 95" in rejected["message"]
+        assert fine["ok"], fine
+        _assert_close([[fine["value"]]], TOL)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])

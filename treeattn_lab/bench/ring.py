@@ -52,7 +52,7 @@ def check_equivalence(*, layout="striped", inner=None, backend="reference", toke
 
     ``rank_faults[rank]`` makes that rank disagree with its peers: ``{"layout": ...}`` passes another
     layout to the ring, ``{"pattern_seed": ...}`` another pattern of the same size, ``{"drop_row": True}``
-    one query row too few (a rank that rejects its own input)."""
+    one token too few (a rank that rejects its own input)."""
     from ..ops.sparse import reference_sparse_attention
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -66,8 +66,8 @@ def check_equivalence(*, layout="striped", inner=None, backend="reference", toke
     local = [shard(x, layout, world, rank, block_size).to(dtype).requires_grad_() for x in (q, k, v)]
     inputs_before = [x.detach().clone() for x in local]
     ring_pattern = small_pattern(tokens, heads, block_size, faults.get("pattern_seed", seed))
-    ring_q = local[0][:-1] if faults.get("drop_row") else local[0]
-    out = ring_sparse_attention(ring_q, *local[1:], ring_pattern, num_tokens=tokens, inner=inner, group=group,
+    ring_inputs = [x[:-1] for x in local] if faults.get("drop_row") else local
+    out = ring_sparse_attention(*ring_inputs, ring_pattern, num_tokens=tokens, inner=inner, group=group,
                                 layout=faults.get("layout", layout), backend=backend)
     out.backward(shard(do, layout, world, rank, block_size).to(dtype))
     want = [out_ref] + [x.grad for x in full]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -103,18 +102,18 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def digest_and_problem(check: Callable[[], str]) -> tuple[str | None, str | None]:
-    """``(check(), None)``, or ``(None, the error)`` when ``check`` raises: a rank's rejection of its
-    input is reported through :func:`agree`, so its peers raise with it instead of waiting for it."""
-    try:
-        return check(), None
-    except Exception as e:
-        return None, describe(e)
-
-
-def agree(digest: str | None, problem: str | None, monitor, *, what: str, hint: str) -> None:
+def agree(
+    digest: str | None,
+    problem: str | None,
+    monitor,
+    *,
+    what: str,
+    hint: str,
+    cause: BaseException | None = None,
+) -> None:
     """Collective: raise :class:`RankMismatchError` on every rank when a rank has a ``problem`` or the
-    ``digest``\\ s differ. ``what`` names what the digests cover; ``hint`` says how to fix a mismatch."""
+    ``digest``\\ s differ. ``what`` names what the digests cover; ``hint`` says how to fix a mismatch;
+    ``cause``: this rank's own error behind its ``problem`` (raised from)."""
     rank = dist.get_rank(monitor)
     gathered = gather_objects({"digest": digest, "problem": problem}, monitor)
     problems = [(r, g["problem"]) for r, g in enumerate(gathered) if g["problem"]]
@@ -122,7 +121,7 @@ def agree(digest: str | None, problem: str | None, monitor, *, what: str, hint: 
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in problems)
         raise RankMismatchError(
             f"rank {rank}: rank(s) {[r for r, _ in problems]} rejected their input ({detail})"
-        )
+        ) from cause
     digests = [g["digest"] for g in gathered]
     if len(set(digests)) > 1:
         raise RankMismatchError(f"rank {rank}: the ranks disagree on {what} ({_holders(digests)}); {hint}")

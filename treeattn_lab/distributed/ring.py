@@ -4,7 +4,7 @@ The sequence is split over ``W`` ranks by a layout (:mod:`.layouts`; ``striped``
 keeps its queries and, at every step, holds the keys and values of one *origin* rank:
 
 Forward
-    1. **Bars once.** The pattern's vertical columns are few (about 1000 per head), so their keys and
+    1. **Bars once.** The pattern's vertical columns are few (a bounded number per head), so their keys and
        values are gathered from their owners in one all-reduce (``[Hq, nb, D]``, a few MB) and every
        rank computes its queries against them locally, at step 0.
     2. **Tiles around the ring.** At step ``t`` the rank runs the block-sparse kernel on its queries
@@ -20,8 +20,7 @@ Backward
     (accumulated locally, fp32), and dK, dV of the keys held (fresh fp32), adds the accumulator arriving
     from the rank that held those keys one step later, and passes it on: a second ring of fp32 dK/dV
     whose last stop is the keys' owner, computing its own part, so no transfer is left after the last
-    kernel (walking forwards, the finished accumulators had to make one more hop home: 2 GB of fp32 per
-    rank at 256K tokens on 2 ranks, about 6 ms exposed on H200s).
+    kernel (a ring walked forwards would end with every finished accumulator one hop from its owner).
     The bars' dK, dV (computed at step 0) are summed over ranks with one all-reduce and added by the
     owners.
 
@@ -30,6 +29,11 @@ previous node in an outer loop; in the forward the outer transfer is posted befo
 hides behind a whole inner loop of compute (the backward walks the same steps in reverse, one hop each).
 :class:`RingPlan` holds a rank's per-step kernel indices, built once per (pattern, tokens, layout, world,
 rank) and cached on the pattern.
+
+Every call is collective and starts with an agreement (:mod:`.agreement`): the ranks all-gather a digest
+of the pattern's values, the layout, the sizes and the settings, so a rank that passes another pattern
+or layout, or rejects its own input, makes every rank raise instead of computing a wrong result or
+leaving its peers waiting.
 
 Per-step math comes from a *step backend*: ``"triton"`` (the kernel) or ``"reference"`` (an einops twin,
 for CPU tests without the interpreter's cost).
@@ -46,6 +50,7 @@ from einops import einsum
 
 from ..ops.validation import check_qkv, check_scale
 from ..patterns.vertical_slash import BAR_PAD, VerticalSlashPattern
+from .agreement import agree, describe, monitor_group, sha256
 from .layouts import RingSchedule, block_owner, rank_blocks
 
 LN2 = math.log(2.0)
@@ -324,20 +329,11 @@ class _RingSparseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def ring_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, num_tokens: int, layout: str = "striped",
-                          inner: int | None = None, group=None, scale: float | None = None,
-                          backend: str = "auto") -> torch.Tensor:
-    """Sparse attention of one sequence of ``num_tokens`` split over the ranks of ``group``.
-
-    ``q [n, Hq, D]``, ``k, v [n, Hkv, D]`` are this rank's local tokens under ``layout`` (see
-    :func:`.layouts.shard`); ``pattern`` is the whole sequence's (the same on every rank). Returns this
-    rank's output rows; gradients flow to the local q, k, v. Equals :func:`treeattn_lab.sparse_attention`
-    on the full sequence, sharded. ``inner`` (ranks per node) selects the hierarchical ring. ``backend``:
-    ``"triton"`` (default on CUDA) or ``"reference"`` (einops steps).
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_sparse_attention needs torch.distributed initialized (torchrun, or "
-                           "init_process_group)")
+def _prepare(q, k, v, pattern, num_tokens, layout, inner, group, scale, backend):
+    """Check this rank's arguments; returns ``(plan, scale, step backend, digest)``. The digest covers
+    what every rank must pass alike: layout, tokens, ring, scale, backend, head counts, head dim, dtypes
+    and the pattern's values (hashed once per pattern object, which is treated as immutable, as the plan
+    cache does)."""
     check_qkv(q, k, v)
     check_scale(scale)
     if not isinstance(pattern, VerticalSlashPattern):
@@ -348,20 +344,53 @@ def ring_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, num_tokens:
         backend = "triton" if q.device.type == "cuda" else "reference"
     if backend not in STEP_BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose auto, triton or reference")
-    pattern = pattern.to(q.device)
+    if "digest" not in pattern._cache:
+        pattern._cache["digest"] = sha256(pattern.vertical, pattern.slash, pattern.block_size)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    plan = ring_plan(pattern, num_tokens, layout, rank, world, inner=inner)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    digest = sha256(layout, num_tokens, inner, world, scale, backend, pattern._cache["digest"],
+                    *[(tuple(x.shape[1:]), str(x.dtype)) for x in (q, k, v)])
+    plan = ring_plan(pattern.to(q.device), num_tokens, layout, rank, world, inner=inner)
     if q.shape[0] != plan.num_local:
         raise ValueError(
             f"rank {rank} holds {plan.num_local} tokens under the {layout} layout, got {q.shape[0]}"
         )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if backend == "triton":
         from ..kernels.block_sparse import check_inputs
 
         check_inputs(q, k, v, plan.steps[0])
+    return plan, scale, STEP_BACKENDS[backend], digest
+
+
+def ring_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, num_tokens: int, layout: str = "striped",
+                          inner: int | None = None, group=None, scale: float | None = None,
+                          backend: str = "auto") -> torch.Tensor:
+    """Sparse attention of one sequence of ``num_tokens`` split over the ranks of ``group``.
+
+    ``q [n, Hq, D]``, ``k, v [n, Hkv, D]`` are this rank's local tokens under ``layout`` (see
+    :func:`.layouts.shard`); ``pattern`` is the whole sequence's (the same on every rank). Returns this
+    rank's output rows; gradients flow to the local q, k, v. Equals :func:`treeattn_lab.sparse_attention`
+    on the full sequence, sharded. ``inner`` (ranks per node) selects the hierarchical ring. ``backend``:
+    ``"triton"`` (default on CUDA) or ``"reference"`` (einops steps).
+
+    Collective: the ranks first agree (:func:`.agreement.agree`, on a gloo group) that they pass the same
+    pattern, layout, sizes and settings; where one rank rejects its input or they differ, **every** rank
+    raises :class:`.agreement.RankMismatchError` (on the rejecting rank, from its own error).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_sparse_attention needs torch.distributed initialized (torchrun, or "
+                           "init_process_group)")
+    prepared, error = None, None
+    try:
+        prepared = _prepare(q, k, v, pattern, num_tokens, layout, inner, group, scale, backend)
+    except Exception as e:  # reported to every rank by agree(), then raised everywhere
+        error = e
+    agree(None if prepared is None else prepared[3], None if error is None else describe(error),
+          monitor_group(group), what="the ring's pattern, layout, sizes or settings", cause=error,
+          hint="every rank must pass the same pattern and arguments, and its own shard of the sequence")
+    plan, scale, step, _ = prepared
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return _RingSparseAttention.apply(q, k, v, plan, scale, STEP_BACKENDS[backend], group)
+    return _RingSparseAttention.apply(q, k, v, plan, scale, step, group)
 
 
 __all__ = ["ReferenceStep", "RingPlan", "TritonStep", "ring_plan", "ring_sparse_attention"]
