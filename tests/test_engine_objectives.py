@@ -80,12 +80,31 @@ def clip_is_active(own, old, adv) -> bool:
     return False
 
 
+class PerRollout:
+    """A hand-written objective that declares its per-rollout terms (the engine's one-pass protocol)."""
+
+    def __init__(self, old, ref, adv):
+        self.old, self.ref, self.adv = old, ref, adv
+
+    def rollout_term(self, i, lp):
+        ratio = torch.exp(lp - self.old[i].to(lp))
+        a = self.adv[i]
+        policy = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+        delta = self.ref[i].to(lp) - lp
+        kl = torch.exp(delta) - delta - 1
+        return (policy + BETA * kl).sum() / max(lp.numel(), 1) / len(self.old)
+
+    def __call__(self, logps):
+        return torch.stack([self.rollout_term(i, lp) for i, lp in enumerate(logps)]).sum()
+
+
 def objectives_for(model, seqs, seed):
     own, old, ref, adv = rollout_data(model, seqs, seed)
     return own, {
         "ppo_kl": ppo_kl_sequence_mean(old, ref, adv),
         "gspo": gspo_sequence_ratio(old, adv),
         "soft_best_of": soft_best_of,
+        "per_rollout": PerRollout(old, ref, adv),
     }
 
 
@@ -95,10 +114,10 @@ def objectives_for(model, seqs, seed):
     block_tokens=st.integers(1, 5),
     token_budget=st.one_of(st.none(), st.integers(1, 25)),
     checkpointing=st.booleans(),
-    which=st.sampled_from(["ppo_kl", "gspo", "soft_best_of"]),
+    which=st.sampled_from(["ppo_kl", "gspo", "soft_best_of", "per_rollout"]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 def test_objective_gradients_equal_flat_autograd(
     seqs, mode, block_tokens, token_budget, checkpointing, which, seed
 ):
@@ -118,6 +137,12 @@ def test_objective_gradients_equal_flat_autograd(
     assert result.loss == pytest.approx(value, rel=1e-9, abs=1e-12)
     for got, want in zip(result.logps, own, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    if which == "per_rollout":  # one pass: no log-prob pass, and dfs recomputes only its pushes
+        assert set(result.report.phases) == {"train"}
+        linear = tree_backward(
+            tiny_lm(), trie, mode=mode, block_tokens=block_tokens, token_budget=token_budget
+        )
+        assert result.report.no_grad_tokens == linear.report.no_grad_tokens
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -189,6 +214,24 @@ def test_token_weights_is_the_linear_special_case():
     assert result.logps[0].shape == (len(seqs[0]) - 1,)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_per_rollout_objective_with_the_clip_active(mode, checkpointing):
+    seqs = CASES[0] + CASES[1]
+    model = tiny_lm(checkpointing=checkpointing, seed=1)
+    own, old, ref, adv = rollout_data(model, seqs, 7)
+    assert clip_is_active(own, old, adv)
+    expected, _ = flat_objective_gradients(model, seqs, PerRollout(old, ref, adv))
+    trie = RolloutTrie.from_sequences(seqs)
+    tree_backward(model, trie, objective=PerRollout(old, ref, adv), mode=mode, block_tokens=2, token_budget=8)
+    assert_grads_close(model, expected, 1e-7)
+    model32 = tiny_lm(dtype=torch.float32, checkpointing=checkpointing, seed=1)
+    objective32 = PerRollout([o.float() for o in old], [r.float() for r in ref], adv.float())
+    expected32, _ = flat_objective_gradients(model32, seqs, objective32)
+    tree_backward(model32, trie, objective=objective32, mode=mode, block_tokens=3, token_budget=8)
+    assert_grads_close(model32, expected32, 1e-5)
+
+
 # --------------------------------------------------------------------------- failures leave .grad as it was
 class Boom(Exception):
     pass
@@ -208,16 +251,17 @@ def fail_on_call(model, n: int, error: type[BaseException]):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
-@pytest.mark.parametrize("use_objective", [False, True])
-def test_failed_or_interrupted_call_leaves_grad_as_it_was(mode, error, use_objective):
+@pytest.mark.parametrize("loss", ["linear", "ppo_kl", "per_rollout"])
+def test_failed_or_interrupted_call_leaves_grad_as_it_was(mode, error, loss):
     seqs = CASES[0] + CASES[1]
     trie = RolloutTrie.from_sequences(seqs)
     model = tiny_lm()
     _, objectives = objectives_for(model, seqs, 9)
     kwargs = {"mode": mode, "block_tokens": 3, "token_budget": 8}
-    kwargs.update(
-        {"objective": objectives["ppo_kl"]} if use_objective else {"token_weights": random_weights(seqs, 4)}
-    )
+    if loss == "linear":
+        kwargs["token_weights"] = random_weights(seqs, 4)
+    else:
+        kwargs["objective"] = objectives[loss]
     reference = tiny_lm()
     tree_backward(reference, trie, **kwargs)
     once = {n: p.grad.clone() for n, p in reference.named_parameters()}

@@ -236,12 +236,37 @@ def _entry_logps(plan, adapter, pack) -> torch.Tensor:
     return torch.zeros(plan.num_entries, dtype=dtype, device=pack.input_ids.device)
 
 
-def run_dfs(adapter, pack, plan, block_tokens: int) -> dict:
+class LinearScores:
+    """What :func:`run_dfs` scores by default: the linear loss of a :class:`LossPlan`'s weights.
+
+    A scorer has two methods: ``pushed(features, head, block)``, told of a block run without autograd
+    (here: nothing to do, so the push costs no head), and ``loss(features, head, block)``, which returns
+    ``(loss or None, detached entry log-probs)`` for a block run with autograd (a popped block, or a span
+    of sibling leaves with ``has_children=False``), and ``after_backward()``, told once that loss and the
+    gradients for the block's K/V have been backpropagated.
+    """
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def pushed(self, features, head, block: Block) -> None:
+        pass
+
+    def loss(self, features, head, block: Block):
+        return self.plan.loss(features, block.start, head)
+
+    def after_backward(self) -> None:
+        pass
+
+
+def run_dfs(adapter, pack, plan, block_tokens: int, scores=None) -> dict:
     """Run one micro-batch's trie depth first; parameter gradients accumulate in ``.grad``.
 
+    ``scores``: what each block's logits are scored with (default :class:`LinearScores` of ``plan``).
     Returns the entries' log-probs and token counts:
     ``{"entry_logp", "grad_tokens", "no_grad_tokens", "blocks", "path_bytes"}``.
     """
+    scores = LinearScores(plan) if scores is None else scores
     blocks = split_blocks(pack, block_tokens)
     state = PathState(adapter.num_layers, int(pack.seq_lengths.max()))
     entry_logp = _entry_logps(plan, adapter, pack)
@@ -253,9 +278,10 @@ def run_dfs(adapter, pack, plan, block_tokens: int) -> dict:
         if event == "push":
             _zero_buffers(state, b)
             with torch.no_grad():
-                features_and_head(
-                    adapter, ids[None, rows], pos[None, rows], BlockRun(state, b, with_grad=False)
-                )
+                run = BlockRun(state, b, with_grad=False)
+                features, head = features_and_head(adapter, ids[None, rows], pos[None, rows], run)
+            scores.pushed(features[0], head, b)
+            del features
             no_grad_tokens += b.end - b.start
             continue
         if event == "leaves":
@@ -266,10 +292,11 @@ def run_dfs(adapter, pack, plan, block_tokens: int) -> dict:
             run = BlockRun(state, b, with_grad=True)
             features, head = features_and_head(adapter, ids[None, rows], pos[None, rows], run)
             features = features[0]
-        loss, logp = plan.loss(features, b.start, head)
+        loss, logp = scores.loss(features, head, b)
         entry_logp[plan.entries_in(b.start, b.end)] = logp
         del features
         run.backward(loss)
+        scores.after_backward()
         grad_tokens += b.end - b.start
     return {
         "entry_logp": entry_logp,

@@ -15,7 +15,10 @@ would, however the trie is run:
   ``"dfs"``, or under ``"auto"`` the mode the cost model (:mod:`treeattn_lab.engine.cost_model`)
   predicts fastest, which is flat where the trie shares too little.
 
-An objective is reduced to the linear case by the chain rule: with ``g_i = d objective / d logps[i]``
+An objective that is a sum of per-rollout terms and says so (``objective.rollout_term``, see
+:mod:`treeattn_lab.engine.rollout_terms`; every :mod:`treeattn_lab.rl` objective does) trains each
+micro-batch in one pass, in every mode (phase ``"train"`` only). Any other objective is reduced to the
+linear case by the chain rule: with ``g_i = d objective / d logps[i]``
 evaluated at the current log-probs, ``d objective / d theta = sum_i g_i . d logps[i] / d theta``, which
 is the gradient of the linear loss with ``w_i[t] = -g_i[t - 1]``. Where the whole trie is one flat or
 packed micro-batch, one forward with autograd gives the log-probs, the objective and its backward
@@ -41,6 +44,7 @@ from .cost_model import CostModel
 from .logprobs import micro_batch_logprobs
 from .loss_plan import LossPlan
 from .modes import flat_chunks, flat_token_logprobs, packed_token_logprobs, run_dfs_mode, run_flat, run_packed
+from .rollout_terms import is_per_rollout, run_per_rollout
 
 
 @dataclass
@@ -218,6 +222,9 @@ def accumulated_on_success(model):
 def _run_passes(plan: CallPlan, objective, weights, losses, logps, report, **settings):
     """The passes of a call (module docstring); returns ``objective(logps)`` (None without objective)."""
     device, value = plan.adapter.device, None
+    if is_per_rollout(objective):
+        with measured_phase(report.phases, "train", device) as phase:
+            return run_per_rollout(plan, objective, logps, phase, **settings)
     fused = objective is not None and _one_graph(plan, settings["token_budget"])
     if objective is not None and not fused:
         with measured_phase(report.phases, "logprobs", device) as phase:

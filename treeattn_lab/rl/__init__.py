@@ -13,6 +13,8 @@ tree_backward(model, trie, objective=objective)     # .grad of the loss, exactly
 
 from .objectives import (
     LOSS_TYPES,
+    GRPOObjective,
+    GRPOOptions,
     completion_masks,
     group_advantages,
     grpo_loss,
@@ -23,6 +25,8 @@ from .objectives import (
 
 __all__ = [
     "LOSS_TYPES",
+    "GRPOObjective",
+    "GRPOOptions",
     "completion_masks",
     "group_advantages",
     "grpo_loss",

@@ -25,7 +25,8 @@ but the current log-probs, which is the form :func:`treeattn_lab.engine.tree_bac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -101,65 +102,127 @@ def _flatten(name: str, values, lengths: list[int], like: torch.Tensor) -> torch
     return torch.cat([v.detach() for v in values]).to(like.device, like.dtype)
 
 
-def grpo_loss(
-    logps: Sequence[torch.Tensor],
-    old_logps: Sequence[torch.Tensor],
-    advantages: torch.Tensor,
-    masks: Sequence[torch.Tensor],
-    *,
-    ref_logps: Sequence[torch.Tensor] | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    loss_type: str = "grpo",
-    importance_sampling: str = "token",
-    max_completion_length: int | None = None,
-) -> torch.Tensor:
-    """The GRPO/DAPO/Dr. GRPO loss of the module docstring, a scalar differentiable in ``logps`` only."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if importance_sampling not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling must be 'token' or 'sequence', got {importance_sampling!r}")
-    if beta and ref_logps is None:
-        raise ValueError("beta > 0 needs ref_logps (the reference policy's log-probs)")
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-    lengths = [lp.numel() for lp in logps]
-    logp = torch.cat(list(logps))
-    old = _flatten("old_logps", old_logps, lengths, logp)
-    mask = _flatten("masks", [m.to(torch.float64) for m in masks], lengths, logp)
-    adv = advantages.detach().to(logp.device, logp.dtype)
-    if adv.shape != (len(lengths),):
-        raise ValueError(f"advantages must have shape [{len(lengths)}], got {tuple(adv.shape)}")
-    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(logp.device)
-    counts = logp.new_zeros(len(lengths)).index_add(0, owner, mask)
+@dataclass(frozen=True)
+class GRPOOptions:
+    """The settings of the loss (module docstring); TRL's names are ``beta``, ``epsilon``
+    (= ``epsilon_low``), ``epsilon_high``, ``loss_type``, ``importance_sampling_level``."""
+
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "grpo"
+    importance_sampling: str = "token"
+    max_completion_length: int | None = None
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling not in ("token", "sequence"):
+            raise ValueError(
+                f"importance_sampling must be 'token' or 'sequence', got {self.importance_sampling!r}"
+            )
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+
+
+def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOptions):
+    """``L_it`` of the module docstring for flattened rollouts (``owner``: each token's rollout)."""
     log_ratio = logp - old
-    if importance_sampling == "sequence":
-        seq = logp.new_zeros(len(lengths)).index_add(0, owner, log_ratio * mask) / counts.clamp(min=1.0)
-        log_ratio = seq[owner]
-    per_token = _clipped(torch.exp(log_ratio), adv[owner], epsilon_low, epsilon_high)
-    if beta:
-        per_token = per_token + beta * k3_kl(logp, _flatten("ref_logps", ref_logps, lengths, logp))
-    masked = per_token * mask
-    if loss_type == "grpo":
-        per_rollout = logp.new_zeros(len(lengths)).index_add(0, owner, masked)
-        return (per_rollout / counts.clamp(min=1.0)).mean()
-    if loss_type == "dr_grpo":
-        return masked.sum() / (len(lengths) * max_completion_length)
-    return masked.sum() / mask.sum().clamp(min=1.0)
+    if o.importance_sampling == "sequence":
+        counts = logp.new_zeros(rollouts).index_add(0, owner, mask).clamp(min=1.0)
+        log_ratio = (logp.new_zeros(rollouts).index_add(0, owner, log_ratio * mask) / counts)[owner]
+    per_token = _clipped(torch.exp(log_ratio), adv[owner], o.epsilon_low, o.epsilon_high)
+    if o.beta:
+        per_token = per_token + o.beta * k3_kl(logp, ref)
+    return per_token
 
 
-def grpo_objective(old_logps, advantages, masks, **options) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """``logps -> grpo_loss(logps, old_logps, advantages, masks, **options)``, for ``tree_backward``."""
+class GRPOObjective:
+    """``objective(logps)``: the loss of the module docstring for fixed old/reference log-probs,
+    advantages and masks; also a sum of per-rollout terms, ``rollout_term(i, logps[i])``, which lets
+    :func:`treeattn_lab.engine.tree_backward` train every micro-batch in one pass."""
 
-    def objective(logps):
-        return grpo_loss(logps, old_logps, advantages, masks, **options)
+    def __init__(self, old_logps, advantages, masks, *, ref_logps=None, **options):
+        self.options = o = GRPOOptions(**options)
+        if o.beta and ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps (the reference policy's log-probs)")
+        lengths = [m.numel() for m in masks]
+        like = torch.zeros(0, dtype=torch.float64)
+        self.lengths = lengths
+        self.old = list(_flatten("old_logps", old_logps, lengths, like).split(lengths))
+        self.ref = list(_flatten("ref_logps", ref_logps, lengths, like).split(lengths)) if o.beta else None
+        self.masks = list(
+            _flatten("masks", [m.to(torch.float64) for m in masks], lengths, like).split(lengths)
+        )
+        self.advantages = advantages.detach().to(torch.float64)
+        if self.advantages.shape != (len(lengths),):
+            raise ValueError(
+                f"advantages must have shape [{len(lengths)}], got {tuple(self.advantages.shape)}"
+            )
+        counts = [float(m.sum()) for m in self.masks]
+        G = len(lengths)
+        if o.loss_type == "grpo":
+            self.denominators = [G * max(1.0, c) for c in counts]
+        elif o.loss_type == "dr_grpo":
+            self.denominators = [float(G * o.max_completion_length)] * G
+        else:
+            self.denominators = [max(1.0, sum(counts))] * G
 
-    return objective
+    def rollout_term(self, i: int, logp: torch.Tensor) -> torch.Tensor:
+        if logp.shape != (self.lengths[i],):
+            raise ValueError(f"logps[{i}] must have shape [{self.lengths[i]}], got {tuple(logp.shape)}")
+        to = {"device": logp.device, "dtype": logp.dtype}
+        mask = self.masks[i].to(**to)
+        ref = None if self.ref is None else self.ref[i].to(**to)
+        owner = torch.zeros(logp.numel(), dtype=torch.int64, device=logp.device)
+        adv = self.advantages[i : i + 1].to(**to)
+        per_token = _token_losses(logp, self.old[i].to(**to), ref, adv, mask, owner, 1, self.options)
+        return (per_token * mask).sum() / self.denominators[i]
+
+    def __call__(self, logps: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(logps) != len(self.lengths):
+            raise ValueError(
+                f"got log-probs of {len(logps)} rollouts for an objective of {len(self.lengths)}"
+            )
+        for i, lp in enumerate(logps):
+            if lp.shape != (self.lengths[i],):
+                raise ValueError(f"logps[{i}] must have shape [{self.lengths[i]}], got {tuple(lp.shape)}")
+        logp = torch.cat(list(logps))
+        to = {"device": logp.device, "dtype": logp.dtype}
+        owner = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths)).to(
+            logp.device
+        )
+        ref = None if self.ref is None else torch.cat(self.ref).to(**to)
+        mask = torch.cat(self.masks).to(**to)
+        per_token = _token_losses(
+            logp,
+            torch.cat(self.old).to(**to),
+            ref,
+            self.advantages.to(**to),
+            mask,
+            owner,
+            len(self.lengths),
+            self.options,
+        )
+        denominators = torch.tensor(self.denominators, **to)[owner]
+        return (per_token * mask / denominators).sum()
+
+
+def grpo_objective(old_logps, advantages, masks, **options) -> GRPOObjective:
+    """The loss as a function of the current log-probs only (the form ``tree_backward`` takes)."""
+    return GRPOObjective(old_logps, advantages, masks, **options)
+
+
+def grpo_loss(logps, old_logps, advantages, masks, **options) -> torch.Tensor:
+    """The GRPO/DAPO/Dr. GRPO loss of the module docstring, a scalar differentiable in ``logps`` only.
+    ``options``: :class:`GRPOOptions` and ``ref_logps``."""
+    return GRPOObjective(old_logps, advantages, masks, **options)(logps)
 
 
 __all__ = [
     "LOSS_TYPES",
+    "GRPOObjective",
+    "GRPOOptions",
     "completion_masks",
     "grpo_loss",
     "grpo_objective",
