@@ -68,9 +68,9 @@ def test_ranks_that_disagree_on_the_ring_fail_together_and_quickly():
         dict(layout="striped"),
     ]
     started = time.monotonic()
-    per_rank = spawn(2, run_cases, {"fn": check_equivalence, "cases": cases}, timeout_s=120,
-                     collective_timeout_s=60)
-    assert time.monotonic() - started < 50, "a rank waited for a collective timeout"
+    per_rank = spawn(2, run_cases, {"fn": check_equivalence, "cases": cases}, timeout_s=200,
+                     collective_timeout_s=120)
+    assert time.monotonic() - started < 110, "a rank waited for the collective timeout"
     assert all(r["ok"] for r in per_rank), per_rank
     for rank, outcome in enumerate(per_rank):
         mismatched_layout, mismatched_pattern, rejected, fine = outcome["value"]

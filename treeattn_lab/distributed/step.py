@@ -99,7 +99,7 @@ def plan_shares(
     started = time.perf_counter()
     monitor = monitor_group(group)
     world = dist.get_world_size(group)
-    rank_in(group)
+    rank_in(group)  # a clear error for a process outside the group
     cost_model = cost_model or CostModel()
     engine = {
         "mode": mode,
