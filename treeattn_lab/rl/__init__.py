@@ -22,6 +22,7 @@ from .objectives import (
     k3_kl,
     ppo_clip,
 )
+from .sample import SampleBatch, sample
 
 __all__ = [
     "LOSS_TYPES",
@@ -33,4 +34,6 @@ __all__ = [
     "grpo_objective",
     "k3_kl",
     "ppo_clip",
+    "SampleBatch",
+    "sample",
 ]
