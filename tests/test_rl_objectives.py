@@ -137,7 +137,7 @@ def test_bad_arguments_are_refused():
 
 
 # ---------------------------------------------------------------------------------------- against TRL
-def trl_loss(b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_completion_length):
+def trl_loss(b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_completion_length, on_policy=False):
     """TRL's own GRPOTrainer._compute_loss on the batch; returns (loss, per-token log-probs leaf)."""
     trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
     B, P, C = len(b["logps"]), b["prompt"], max(b["completion"])
@@ -177,7 +177,7 @@ def trl_loss(b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_comple
         "completion_ids": torch.ones(B, C, dtype=torch.long),
         "completion_mask": mask.long(),
         "advantages": b["advantages"],
-        "old_per_token_logps": old,
+        "old_per_token_logps": None if on_policy else old,
         "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum(),
     }
@@ -187,16 +187,20 @@ def trl_loss(b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_comple
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_loss_and_gradients_equal_trl(loss_type, level, beta):
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_grpo_loss_and_gradients_equal_trl(loss_type, level, beta, on_policy):
     b = ragged_batch(3 + int(beta * 100))
+    P = b["prompt"]
+    for o, r in zip(b["old"], b["ref"], strict=True):  # values off the mask never matter, not even these
+        o[: P - 1], r[: P - 1] = 1e30, -1e30
     options = dict(
         beta=beta, epsilon_low=0.2, epsilon_high=0.28, max_completion_length=max(b["completion"]) + 2
     )
-    want, leaf = trl_loss(b, loss_type=loss_type, level=level, **options)
+    want, leaf = trl_loss(b, loss_type=loss_type, level=level, on_policy=on_policy, **options)
     want.backward()
     leaves = [lp.clone().requires_grad_(True) for lp in b["logps"]]
     objective = grpo_objective(
-        b["old"],
+        None if on_policy else b["old"],
         b["advantages"],
         b["masks"],
         ref_logps=b["ref"] if beta else None,
@@ -207,7 +211,8 @@ def test_grpo_loss_and_gradients_equal_trl(loss_type, level, beta):
     got = objective(leaves)
     got.backward()
     assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)
-    P = b["prompt"]
+    terms = sum(objective.rollout_term(i, lp.detach()) for i, lp in enumerate(b["logps"]))
+    assert terms.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)  # the per-rollout form agrees
     for i, c in enumerate(b["completion"]):
         assert torch.all(leaves[i].grad[: P - 1] == 0)  # the prompt's tokens carry no loss
         torch.testing.assert_close(leaves[i].grad[P - 1 :], leaf.grad[i, :c], rtol=1e-12, atol=1e-15)

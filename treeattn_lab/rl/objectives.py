@@ -126,20 +126,29 @@ class GRPOOptions:
 
 
 def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOptions):
-    """``L_it`` of the module docstring for flattened rollouts (``owner``: each token's rollout)."""
+    """``L_it`` of the module docstring for flattened rollouts (``owner``: each token's rollout).
+
+    ``old`` None: the current policy (``old = logp`` detached: ratio 1, gradient of the log-prob). Off the
+    mask, old and reference log-probs are replaced by the current ones, so values there never matter
+    (not even an overflow of ``exp``: a masked NaN would still poison the gradient).
+    """
+    current = logp.detach()
+    counted = mask > 0
+    old = current if old is None else torch.where(counted, old, current)
     log_ratio = logp - old
     if o.importance_sampling == "sequence":
         counts = logp.new_zeros(rollouts).index_add(0, owner, mask).clamp(min=1.0)
         log_ratio = (logp.new_zeros(rollouts).index_add(0, owner, log_ratio * mask) / counts)[owner]
     per_token = _clipped(torch.exp(log_ratio), adv[owner], o.epsilon_low, o.epsilon_high)
     if o.beta:
-        per_token = per_token + o.beta * k3_kl(logp, ref)
+        per_token = per_token + o.beta * k3_kl(logp, torch.where(counted, ref, current))
     return per_token
 
 
 class GRPOObjective:
-    """``objective(logps)``: the loss of the module docstring for fixed old/reference log-probs,
-    advantages and masks; also a sum of per-rollout terms, ``rollout_term(i, logps[i])``, which lets
+    """``objective(logps)``: the loss of the module docstring for fixed old/reference log-probs
+    (``old_logps=None``: on-policy, the current log-probs detached), advantages and masks; also a sum
+    of per-rollout terms, ``rollout_term(i, logps[i])``, which lets
     :func:`treeattn_lab.engine.tree_backward` train every micro-batch in one pass."""
 
     def __init__(self, old_logps, advantages, masks, *, ref_logps=None, **options):
@@ -149,7 +158,11 @@ class GRPOObjective:
         lengths = [m.numel() for m in masks]
         like = torch.zeros(0, dtype=torch.float64)
         self.lengths = lengths
-        self.old = list(_flatten("old_logps", old_logps, lengths, like).split(lengths))
+        self.old = (
+            None
+            if old_logps is None
+            else list(_flatten("old_logps", old_logps, lengths, like).split(lengths))
+        )
         self.ref = list(_flatten("ref_logps", ref_logps, lengths, like).split(lengths)) if o.beta else None
         self.masks = list(
             _flatten("masks", [m.to(torch.float64) for m in masks], lengths, like).split(lengths)
@@ -176,7 +189,8 @@ class GRPOObjective:
         ref = None if self.ref is None else self.ref[i].to(**to)
         owner = torch.zeros(logp.numel(), dtype=torch.int64, device=logp.device)
         adv = self.advantages[i : i + 1].to(**to)
-        per_token = _token_losses(logp, self.old[i].to(**to), ref, adv, mask, owner, 1, self.options)
+        old = None if self.old is None else self.old[i].to(**to)
+        per_token = _token_losses(logp, old, ref, adv, mask, owner, 1, self.options)
         return (per_token * mask).sum() / self.denominators[i]
 
     def __call__(self, logps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -194,9 +208,10 @@ class GRPOObjective:
         )
         ref = None if self.ref is None else torch.cat(self.ref).to(**to)
         mask = torch.cat(self.masks).to(**to)
+        old = None if self.old is None else torch.cat(self.old).to(**to)
         per_token = _token_losses(
             logp,
-            torch.cat(self.old).to(**to),
+            old,
             ref,
             self.advantages.to(**to),
             mask,
