@@ -27,8 +27,8 @@ from .harness import write_text_atomic
 __all__ = ["SECTIONS", "check_document", "render_document", "write_document"]
 
 M = "python -m treeattn_lab"
-TORCHRUN2 = "torchrun --standalone --nproc-per-node 2 -m treeattn_lab.distributed"
-RECORDED_COMMANDS = {  # for result files written before the harness recorded its command line
+TORCHRUN2 = "torchrun --standalone --nproc-per-node 2 -m treeattn_lab.bench"
+RECORDED_COMMANDS = {  # result files without a "command" field: the command that reproduces them
     "tree": f"{M} bench tree --check",
     "tree-repeat": f"{M} bench tree --cases research --backends triton,auto,flex,flat",
     "tree-varlen": f"{M} bench tree --cases research --backends flat,flex,triton,gather-flat,varlen,auto "
@@ -43,14 +43,14 @@ RECORDED_COMMANDS = {  # for result files written before the harness recorded it
     "tree-bwd-profile": (None, "a torch.profiler script outside the repository, see the note"),
     "train": f"{M} bench train",
     "balance": f"{M} bench balance",
-    "multi-gpu-train-2x-before-refit": f"NCCL_NVLS_ENABLE=0 {TORCHRUN2}.train --set grpo_math "
+    "multi-gpu-train-2x-before-refit": f"NCCL_NVLS_ENABLE=0 {TORCHRUN2}.multi_gpu_train --set grpo_math "
                                        "--out bench/results",
     "sparse": f"{M} bench sparse --cases band --backends dense,triton --check",
     "sparse-tune": f"{M} bench sparse --cases band --backends dense,triton --check --tune",
-    "sparse-ring": f"{TORCHRUN2}.ring_check",
-    "sparse-ring-variants": (f"{TORCHRUN2}.ring_check [--high-priority] [--layouts striped]",
+    "sparse-ring": f"{TORCHRUN2}.ring",
+    "sparse-ring-variants": (f"{TORCHRUN2}.ring [--high-priority] [--layouts striped]",
                              "one run per variant"),
-    "sparse-ring-timeline": f"{TORCHRUN2}.ring_check --profile",
+    "sparse-ring-timeline": f"{TORCHRUN2}.ring --profile",
     "dilated": (f"{M} bench dilated", "three invocations merged, see the note"),
     "scan": f"{M} bench dilated --scan-only",
     "scan-tune": f"{M} bench dilated --scan-only --tune-scan",
