@@ -9,6 +9,7 @@ log-probs ``ref_i`` and one advantage ``A_i`` per rollout:
                r_i  = exp(sum_t m_it (logp_it - old_it) / sum_t m_it)   ("sequence", as in GSPO)
     PPO-clip   l_it = -min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i)
     k3 KL      k_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1
+               k_it * r_it (or r_i) with ``kl_importance_weight``: the unbiased reverse-KL gradient
     per token  L_it = l_it + beta k_it
 
 and the loss aggregates ``m_it L_it`` over G rollouts by ``loss_type``:
@@ -18,9 +19,10 @@ and the loss aggregates ``m_it L_it`` over G rollouts by ``loss_type``:
     "dr_grpo"         sum_it m_it L_it / (G * max_completion_length)        constant length (Dr. GRPO)
 
 These are TRL's ``GRPOTrainer`` definitions (``loss_type``, ``epsilon``/``epsilon_high``, ``beta``,
-``importance_sampling_level``) for one process and one accumulation step (``"dapo"`` divides by the
-batch's completion tokens, TRL's ``num_items_in_batch``). :func:`grpo_objective` closes over everything
-but the current log-probs, which is the form :func:`treeattn_lab.engine.tree_backward` takes.
+``importance_sampling_level``, ``use_bias_correction_kl``) for one process and one accumulation step
+(``"dapo"`` divides by the batch's completion tokens, TRL's ``num_items_in_batch``).
+:func:`grpo_objective` closes over everything but the current log-probs, which is the form
+:func:`treeattn_lab.engine.tree_backward` takes.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def _flatten(name: str, values, lengths: list[int], like: torch.Tensor) -> torch
 @dataclass(frozen=True)
 class GRPOOptions:
     """The settings of the loss (module docstring); TRL's names are ``beta``, ``epsilon``
-    (= ``epsilon_low``), ``epsilon_high``, ``loss_type``, ``importance_sampling_level``."""
+    (= ``epsilon_low``), ``epsilon_high``, ``loss_type``, ``importance_sampling_level``,
+    ``use_bias_correction_kl`` (= ``kl_importance_weight``)."""
 
     beta: float = 0.0
     epsilon_low: float = 0.2
@@ -113,6 +116,7 @@ class GRPOOptions:
     loss_type: str = "grpo"
     importance_sampling: str = "token"
     max_completion_length: int | None = None
+    kl_importance_weight: bool = False
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -139,9 +143,11 @@ def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOption
     if o.importance_sampling == "sequence":
         counts = logp.new_zeros(rollouts).index_add(0, owner, mask).clamp(min=1.0)
         log_ratio = (logp.new_zeros(rollouts).index_add(0, owner, log_ratio * mask) / counts)[owner]
-    per_token = _clipped(torch.exp(log_ratio), adv[owner], o.epsilon_low, o.epsilon_high)
+    ratio = torch.exp(log_ratio)
+    per_token = _clipped(ratio, adv[owner], o.epsilon_low, o.epsilon_high)
     if o.beta:
-        per_token = per_token + o.beta * k3_kl(logp, torch.where(counted, ref, current))
+        kl = k3_kl(logp, torch.where(counted, ref, current))
+        per_token = per_token + o.beta * (kl * ratio if o.kl_importance_weight else kl)
     return per_token
 
 
