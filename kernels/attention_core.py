@@ -9,9 +9,9 @@ Forward, per query tile, in base 2 (scores scaled by ``scale * log2(e)`` so ``ex
     s = q k^T * qk_scale;  m_new = max(m, rowmax(s));  p = exp2(s - m_new);  a = exp2(m - m_new)
     l = l * a + rowsum(p);  acc = acc * a + p v                                   (:func:`softmax_step`)
 
-and at the end ``out = acc / l`` and ``lse = m + log2(l)`` (:func:`softmax_finish`; a row that saw no key
-keeps ``l = 0``: it outputs zeros with ``lse = -inf``). Masked scores are ``-inf`` before the step; a row
-whose maximum is still ``-inf`` uses 0 in its place so no ``-inf - -inf`` appears.
+and at the end ``out = acc / l`` and ``lse = m + log2(l)`` (:func:`softmax_output`, :func:`softmax_lse`; a
+row that saw no key keeps ``l = 0``: it outputs zeros with ``lse = -inf``). Masked scores are ``-inf``
+before the step; a row whose maximum is still ``-inf`` uses 0 in its place so no ``-inf - -inf`` appears.
 
 Two partial results over disjoint keys merge by their log-sum-exps (:func:`merge_states`):
 ``lse = log2(2^lse_a + 2^lse_b)``, ``out = out_a 2^(lse_a - lse) + out_b 2^(lse_b - lse)``.
@@ -101,11 +101,12 @@ def scores(q, k, qk_scale, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def softmax_start(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The running state before any key: ``acc = 0``, ``m = -inf``, ``l = 0``."""
+    """The running state before any key: ``m = -inf``, ``l = 0``, ``acc = 0`` (in that order: the order
+    the kernels' loops carry them)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    return acc, m_i, l_i
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -122,11 +123,17 @@ def softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def softmax_finish(acc, m_i, l_i):
-    """``(out, lse)`` of the running state: ``acc / l`` and the base-2 ``m + log2(l)`` (zeros and ``-inf``
-    for a row that saw no key)."""
+def softmax_output(acc, l_i):
+    """The normalized output ``acc / l`` of the running state (zeros for a row that saw no key)."""
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    return acc / l_safe[:, None], m_i + tl.log2(l_safe)
+    return acc / l_safe[:, None]
+
+
+@triton.jit
+def softmax_lse(m_i, l_i):
+    """The base-2 log-sum-exp ``m + log2(l)`` of the running state (``-inf`` for a row that saw no key)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    return m_i + tl.log2(l_safe)
 
 
 @triton.jit
@@ -144,6 +151,19 @@ def merge_states(out, lse, out_old, lse_old):
 
 
 # --------------------------------------------------------------------------------------- backward steps
+@triton.jit
+def row_stats(LSE, DELTA, offs, n, MASKED: tl.constexpr):
+    """The saved ``lse`` and ``delta`` of rows ``offs`` (with ``MASKED``, 0 for rows ``>= n``)."""
+    if MASKED:
+        in_range = offs < n
+        lse = tl.load(LSE + offs, mask=in_range, other=0.0)
+        delta = tl.load(DELTA + offs, mask=in_range, other=0.0)
+    else:
+        lse = tl.load(LSE + offs)
+        delta = tl.load(DELTA + offs)
+    return lse, delta
+
+
 @triton.jit
 def probabilities(q, k, lse, qk_scale, DOT_PRECISION: tl.constexpr):
     """``p = exp2(s - lse)`` of queries ``q`` against keys ``k``, ``[queries, keys]`` (unmasked)."""

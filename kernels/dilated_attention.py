@@ -34,8 +34,9 @@ Work: about ``N (N / D / 2 + W + P)`` pairs instead of ``N^2 / 2``, i.e. about D
 
 Backward (FlashAttention-2)
 ---------------------------
-``delta = rowsum(dO * O)``; with ``p = exp2(s - lse)`` recomputed from the saved log-sum-exp (the
-union's, so each part's probabilities come out already normalized):
+``delta = rowsum(dO * O)`` (``attention_core.attention_delta``, one Triton pass per batch row); with
+``p = exp2(s - lse)`` recomputed from the saved log-sum-exp (the union's, so each part's probabilities
+come out already normalized):
 
     dV += p^T dO,   dP = dO V^T,   dS = p * (dP - delta),   dK += dS^T Q * scale,   dQ += dS K * scale.
 
@@ -54,20 +55,18 @@ bf16 dots are wrong).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .limits import check_attention_inputs
+from . import attention_core as core
+from .tuning import DILATED, DILATED_FALLBACK, LaunchConfig, launch_config
 
-LOG2E = 1.4426950408889634
 # sizes and the pattern change from call to call: one compiled kernel serves them all
 _RUNTIME_INTS = ["N", "NC", "HQ", "DIL", "WIN", "INIT"]
 
 
-# --------------------------------------------------------------------------------------- the parts
+# --------------------------------------------------------------------------------------- the rule
 @triton.jit
 def _part_bounds(t, PART: tl.constexpr, DIL, WIN, INIT):
     """Key range ``[lo, hi)`` of part ``PART`` for query positions ``t`` (index into that part's keys)."""
@@ -92,33 +91,59 @@ def _key_rows(idx, PART: tl.constexpr, DIL):
     return idx.to(tl.int64)
 
 
+@triton.jit
+def _key_tile(K, V, j, n_keys, offs_d, stride_kt, stride_vt, DIL, PART: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr):
+    """Key tile ``j`` of part ``PART``: its key indices and their rows of k and v (with ``MASKED``, zero
+    beyond the part's ``n_keys``)."""
+    idx = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = _key_rows(idx, PART, DIL)
+    in_range = idx < n_keys
+    k = core.gather_rows(K, rows, stride_kt, offs_d, in_range, MASKED)
+    v = core.gather_rows(V, rows, stride_vt, offs_d, in_range, MASKED)
+    return idx, k, v
+
+
+# --------------------------------------------------------------------------------------- the schedule
+@triton.jit
+def _query_program(N, HQ, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query tile and head of this program: ``(b, head, kv_head, bh, t_first, t_last, offs_m)``."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    head = bh % HQ
+    kv_head = head // GROUP
+    t_first = tile * BLOCK_M
+    t_last = tl.minimum(t_first + BLOCK_M, N) - 1
+    offs_m = t_first + tl.arange(0, BLOCK_M)
+    return b, head, kv_head, bh, t_first, t_last, offs_m
+
+
+@triton.jit
+def _strided_tiles(t_first, t_last, DIL, WIN, INIT, BLOCK_N: tl.constexpr):
+    """Compact-key tiles of a query tile ``[t_first, t_last]``: ``[first, full_lo)`` the unaligned first
+    tile (masked), ``[full_lo, full_hi)`` seen whole by every row (no mask), ``[full_hi, end)`` the
+    diagonal of the compact keys (masked)."""
+    j0 = INIT // DIL
+    c_first = tl.maximum(t_first - WIN, 0) // DIL
+    c_last = tl.maximum(t_last - WIN, 0) // DIL
+    full_lo = tl.cdiv(j0, BLOCK_N)
+    full_hi = tl.maximum(c_first // BLOCK_N, full_lo)
+    return j0 // BLOCK_N, full_lo, full_hi, tl.cdiv(c_last, BLOCK_N)
+
+
 # --------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(
     acc, m_i, l_i, q, K, V, j, lo, hi, n_keys, offs_d, stride_kt, stride_vt, qk_scale, DIL,
     PART: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    idx = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = _key_rows(idx, PART, DIL)
-    if MASKED:
-        in_range = idx < n_keys
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    else:
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    idx, k, v = _key_tile(K, V, j, n_keys, offs_d, stride_kt, stride_vt, DIL, PART, BLOCK_N, MASKED)
+    s = core.scores(q, k, qk_scale, DOT_PRECISION)
     if MASKED:
         visible = (idx[None, :] >= lo[:, None]) & (idx[None, :] < hi[:, None])
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return core.softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -130,38 +155,25 @@ def _dilated_fwd(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HQ
-    head = bh % HQ
-    kv_head = head // GROUP
-    t_first = tile * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, N) - 1
-    offs_m = t_first + tl.arange(0, BLOCK_M)
+    b, head, kv_head, bh, t_first, t_last, offs_m = _query_program(N, HQ, GROUP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_range = offs_m < N
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + head * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qt
-                + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    q = core.gather_rows(Q + b.to(tl.int64) * stride_qb + head * stride_qh, offs_m, stride_qt, offs_d,
+                         in_range, True)
     K += b.to(tl.int64) * stride_kb + kv_head * stride_kh
     V += b.to(tl.int64) * stride_vb + kv_head * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i, l_i, acc = core.softmax_start(BLOCK_M, HEAD_DIM)
 
     # strided part: compact keys [INIT // DIL, (t - W) // DIL); whole tiles below the first row's bound
     lo, hi = _part_bounds(offs_m, 0, DIL, WIN, INIT)
-    j0 = INIT // DIL
-    c_first = tl.maximum(t_first - WIN, 0) // DIL
-    c_last = tl.maximum(t_last - WIN, 0) // DIL
-    full_lo = tl.cdiv(j0, BLOCK_N)
-    full_hi = tl.maximum(c_first // BLOCK_N, full_lo)
-    for j in range(j0 // BLOCK_N, tl.minimum(full_lo, tl.cdiv(c_last, BLOCK_N))):  # unaligned first tile
+    first, full_lo, full_hi, end = _strided_tiles(t_first, t_last, DIL, WIN, INIT, BLOCK_N)
+    for j in range(first, tl.minimum(full_lo, end)):  # unaligned first tile
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, j, lo, hi, NC, offs_d, stride_kt, stride_vt,
                                   qk_scale, DIL, 0, BLOCK_N, True, DOT_PRECISION)
     for j in range(full_lo, full_hi):  # every row sees every key: no mask
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, j, lo, hi, NC, offs_d, stride_kt, stride_vt,
                                   qk_scale, DIL, 0, BLOCK_N, False, DOT_PRECISION)
-    for j in range(full_hi, tl.cdiv(c_last, BLOCK_N)):  # the diagonal of the compact keys
+    for j in range(full_hi, end):  # the diagonal of the compact keys
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, j, lo, hi, NC, offs_d, stride_kt, stride_vt,
                                   qk_scale, DIL, 0, BLOCK_N, True, DOT_PRECISION)
     # initial part: positions [0, min(P, t - W))
@@ -175,11 +187,10 @@ def _dilated_fwd(
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, j, lo, hi, N, offs_d, stride_kt, stride_vt,
                                   qk_scale, DIL, 2, BLOCK_N, True, DOT_PRECISION)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = core.softmax_output(acc, l_i)
     tl.store(O + b.to(tl.int64) * stride_ob + head * stride_oh + offs_m.to(tl.int64)[:, None] * stride_ot
              + offs_d[None, :], out.to(O.dtype.element_ty), mask=in_range[:, None])
-    tl.store(LSE + bh.to(tl.int64) * N + offs_m, m_i + tl.log2(l_safe), mask=in_range)
+    tl.store(LSE + bh.to(tl.int64) * N + offs_m, core.softmax_lse(m_i, l_i), mask=in_range)
 
 
 # --------------------------------------------------------------------------------------- backward: dQ
@@ -188,23 +199,12 @@ def _dq_tile(
     dq, q, do, lse, delta, K, V, j, lo, hi, n_keys, offs_d, stride_kt, stride_vt, qk_scale, DIL,
     PART: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    idx = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = _key_rows(idx, PART, DIL)
-    if MASKED:
-        in_range = idx < n_keys
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    else:
-        k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])
-        v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    p = tl.exp2(s - lse[:, None])
+    idx, k, v = _key_tile(K, V, j, n_keys, offs_d, stride_kt, stride_vt, DIL, PART, BLOCK_N, MASKED)
+    p = core.probabilities(q, k, lse, qk_scale, DOT_PRECISION)
     if MASKED:
         visible = (idx[None, :] >= lo[:, None]) & (idx[None, :] < hi[:, None])
         p = tl.where(visible, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return core.dq_step(dq, p, do, v, k, delta, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -216,21 +216,14 @@ def _dilated_bwd_dq(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HQ
-    head = bh % HQ
-    kv_head = head // GROUP
-    t_first = tile * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, N) - 1
-    offs_m = t_first + tl.arange(0, BLOCK_M)
+    b, head, kv_head, bh, t_first, t_last, offs_m = _query_program(N, HQ, GROUP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_range = offs_m < N
     rows_m = offs_m.to(tl.int64)[:, None]
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + head * stride_qh + rows_m * stride_qt + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + head * stride_doh + rows_m * stride_dot + offs_d[None, :],
-                 mask=in_range[:, None], other=0.0)
+    q = core.gather_rows(Q + b.to(tl.int64) * stride_qb + head * stride_qh, offs_m, stride_qt, offs_d,
+                         in_range, True)
+    do = core.gather_rows(DO + b.to(tl.int64) * stride_dob + head * stride_doh, offs_m, stride_dot, offs_d,
+                          in_range, True)
     lse = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=in_range, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=in_range, other=0.0)
     K += b.to(tl.int64) * stride_kb + kv_head * stride_kh
@@ -238,18 +231,14 @@ def _dilated_bwd_dq(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     lo, hi = _part_bounds(offs_m, 0, DIL, WIN, INIT)
-    j0 = INIT // DIL
-    c_first = tl.maximum(t_first - WIN, 0) // DIL
-    c_last = tl.maximum(t_last - WIN, 0) // DIL
-    full_lo = tl.cdiv(j0, BLOCK_N)
-    full_hi = tl.maximum(c_first // BLOCK_N, full_lo)
-    for j in range(j0 // BLOCK_N, tl.minimum(full_lo, tl.cdiv(c_last, BLOCK_N))):
+    first, full_lo, full_hi, end = _strided_tiles(t_first, t_last, DIL, WIN, INIT, BLOCK_N)
+    for j in range(first, tl.minimum(full_lo, end)):
         dq = _dq_tile(dq, q, do, lse, delta, K, V, j, lo, hi, NC, offs_d, stride_kt, stride_vt, qk_scale,
                       DIL, 0, BLOCK_N, True, DOT_PRECISION)
     for j in range(full_lo, full_hi):
         dq = _dq_tile(dq, q, do, lse, delta, K, V, j, lo, hi, NC, offs_d, stride_kt, stride_vt, qk_scale,
                       DIL, 0, BLOCK_N, False, DOT_PRECISION)
-    for j in range(full_hi, tl.cdiv(c_last, BLOCK_N)):
+    for j in range(full_hi, end):
         dq = _dq_tile(dq, q, do, lse, delta, K, V, j, lo, hi, NC, offs_d, stride_kt, stride_vt, qk_scale,
                       DIL, 0, BLOCK_N, True, DOT_PRECISION)
     lo, hi = _part_bounds(offs_m, 1, DIL, WIN, INIT)
@@ -272,28 +261,16 @@ def _dkdv_tile(
 ):
     offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = offs_m.to(tl.int64)
-    if MASKED:
-        in_range = offs_m < N
-        q = tl.load(Q + rows[:, None] * stride_qt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dot + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        lse = tl.load(LSE + offs_m, mask=in_range, other=0.0)
-        delta = tl.load(DELTA + offs_m, mask=in_range, other=0.0)
-    else:
-        q = tl.load(Q + rows[:, None] * stride_qt + offs_d[None, :])
-        do = tl.load(DO + rows[:, None] * stride_dot + offs_d[None, :])
-        lse = tl.load(LSE + offs_m)
-        delta = tl.load(DELTA + offs_m)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-    p_t = tl.exp2(s_t - lse[None, :])
+    in_range = offs_m < N
+    q = core.gather_rows(Q, rows, stride_qt, offs_d, in_range, MASKED)
+    do = core.gather_rows(DO, rows, stride_dot, offs_d, in_range, MASKED)
+    lse, delta = core.row_stats(LSE, DELTA, offs_m, N, MASKED)
+    p_t = core.probabilities_t(k, q, lse, qk_scale, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
     if MASKED:
         lo, hi = _part_bounds(offs_m, PART, DIL, WIN, INIT)
         visible = (idx[:, None] >= lo[None, :]) & (idx[:, None] < hi[None, :]) & in_range[None, :]
         p_t = tl.where(visible, p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+    return core.dkdv_step(dk, dv, p_t, q, do, v, delta, DOT_PRECISION)
 
 
 @triton.jit
@@ -317,10 +294,10 @@ def _dkdv_part(
         n_keys = N
     in_range = idx < n_keys
     rows = _key_rows(idx, PART, DIL)
-    k = tl.load(K + b.to(tl.int64) * stride_kb + kv_head * stride_kh + rows[:, None] * stride_kt
-                + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    v = tl.load(V + b.to(tl.int64) * stride_vb + kv_head * stride_vh + rows[:, None] * stride_vt
-                + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    k = core.gather_rows(K + b.to(tl.int64) * stride_kb + kv_head * stride_kh, rows, stride_kt, offs_d,
+                         in_range, True)
+    v = core.gather_rows(V + b.to(tl.int64) * stride_vb + kv_head * stride_vh, rows, stride_vt, offs_d,
+                         in_range, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     k0 = key_tile * BLOCK_N
@@ -402,55 +379,43 @@ def _dilated_bwd_dkdv(
 
 
 # --------------------------------------------------------------------------------------- launchers
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; for dkdv BLOCK_M tiles queries, BLOCK_N keys.
-# Chosen with `python -m treeattn_lab bench dilated --tune` on an H200 (128K tokens, D=16, W=256, P=4,
-# bf16, head dim 128; bench/results/dilated__*.json); head dim 64 reuses them untested.
-CONFIGS = {  # head_dim -> {"fwd" | "dkdv" | "dq": config}
-    64: {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
-    128: {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
-}
-_SMALL_HEAD_CONFIG = {"fwd": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)}
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _meta(config, dtype, group, head_dim):
-    bm, bn, warps, stages = config
-    return dict(GROUP=group, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(dtype),
-                num_warps=warps, num_stages=stages)
+def _meta(launch: LaunchConfig, dtype, group, head_dim):
+    return dict(GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim,
+                DOT_PRECISION=core.dot_precision(dtype), num_warps=launch.num_warps,
+                num_stages=launch.num_stages)
 
 
-def _forward(q, k, v, pattern, scale, config):
+def _forward(q, k, v, pattern, scale, launch):
     B, N, hq, d = q.shape
     dil, win, init = pattern
     o = torch.empty_like(q)
     lse = torch.empty((B, hq, N), device=q.device, dtype=torch.float32)
-    _dilated_fwd[(triton.cdiv(N, config[0]), B * hq)](
+    _dilated_fwd[(triton.cdiv(N, launch.block_m), B * hq)](
         q, k, v, o, lse, N, N // dil, hq, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        scale * LOG2E, dil, win, init, **_meta(config, q.dtype, hq // k.shape[2], d),
+        scale * core.LOG2E, dil, win, init, **_meta(launch, q.dtype, hq // k.shape[2], d),
     )
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, pattern, scale, dkdv_config, dq_config):
+def _backward(do, q, k, v, o, lse, pattern, scale, dkdv_launch, dq_launch):
     B, N, hq, d = q.shape
     hkv = k.shape[2]
     dil, win, init = pattern
     nc = N // dil
     do = do if do.stride(-1) == 1 else do.contiguous()
-    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, N]
+    delta = torch.empty((B, hq, N), device=q.device, dtype=torch.float32)
+    for b in range(B):  # rowsum(dO * O) per batch row, one Triton pass each
+        core.attention_delta(o[b], do[b], out=delta[b])
     dq = torch.empty_like(q)
-    _dilated_bwd_dq[(triton.cdiv(N, dq_config[0]), B * hq)](
+    _dilated_bwd_dq[(triton.cdiv(N, dq_launch.block_m), B * hq)](
         q, k, v, do, lse, delta, dq, N, nc, hq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        *_strides(dq), scale * LOG2E, scale, dil, win, init, **_meta(dq_config, q.dtype, hq // hkv, d),
+        *_strides(dq), scale * core.LOG2E, scale, dil, win, init, **_meta(dq_launch, q.dtype, hq // hkv, d),
     )
-    block_n = dkdv_config[1]
+    block_n = dkdv_launch.block_n
     n_init = min(init, N)
     dk_w, dv_w = torch.empty_like(k), torch.empty_like(v)  # window part, every position
     dk_i, dv_i = (torch.empty((B, max(n_init, 1), hkv, d), device=q.device, dtype=torch.float32)
@@ -464,8 +429,9 @@ def _backward(do, q, k, v, o, lse, pattern, scale, dkdv_config, dq_config):
     _dilated_bwd_dkdv[(n_init_tiles + n_strided_tiles + n_window_tiles, B * hkv)](
         q, k, v, do, lse, delta, dk_s, dv_s, dk_i, dv_i, dk_w, dv_w, N, nc, hq, hkv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk_s), *_strides(dk_i),
-        *_strides(dk_w), scale * LOG2E, scale, dil, win, init, n_init_tiles, n_strided_tiles, first_strided,
-        **_meta(dkdv_config, q.dtype, hq // hkv, d),
+        *_strides(dk_w), scale * core.LOG2E, scale, dil, win, init, n_init_tiles, n_strided_tiles,
+        first_strided,
+        **_meta(dkdv_launch, q.dtype, hq // hkv, d),
     )
     # a key's gradient is the sum over the parts it belongs to (fp32, then one rounding)
     j0 = init // dil
@@ -482,22 +448,30 @@ class DilatedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper over ``[B, N, H, head_dim]``: saves (q, k, v, o, lse); backward recomputes p."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pattern, scale, fwd_config, dkdv_config, dq_config):
-        o, lse = _forward(q, k, v, pattern, scale, fwd_config)
+    def forward(ctx, q, k, v, pattern, scale, fwd_launch, dkdv_launch, dq_launch):
+        o, lse = _forward(q, k, v, pattern, scale, fwd_launch)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.pattern, ctx.scale, ctx.configs = pattern, scale, (dkdv_config, dq_config)
+        ctx.pattern, ctx.scale, ctx.launches = pattern, scale, (dkdv_launch, dq_launch)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.pattern, ctx.scale, *ctx.configs)
+        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.pattern, ctx.scale, *ctx.launches)
         return dq, dk, dv, None, None, None, None, None
 
 
-def _check(q):
-    check_attention_inputs(q)
+def _launches(head_dim: int, fwd_config, dkdv_config, dq_config) -> list[LaunchConfig]:
+    """The three launches: the callers' :class:`~.tuning.LaunchConfig`, else the tuned defaults."""
+    defaults = DILATED.get(head_dim, DILATED_FALLBACK)
+    launches = []
+    for name, config in (("fwd", fwd_config), ("dkdv", dkdv_config), ("dq", dq_config)):
+        launch = launch_config(config, f"{name}_config", defaults[name])
+        if launch.tma:
+            raise ValueError(f"{name}_config: the dilated kernels have no TMA path (tma=True)")
+        launches.append(launch)
+    return launches
 
 
 def triton_dilated_attention(q, k, v, *, dilation: int, window: int = 0, initial: int = 0, scale=None,
@@ -505,23 +479,19 @@ def triton_dilated_attention(q, k, v, *, dilation: int, window: int = 0, initial
     """Dilated attention with the Triton kernels (inputs already validated by ``treeattn_lab.ops``).
 
     ``q [N, Hq, d]`` or ``[B, N, Hq, d]``, ``k, v`` likewise with ``Hkv`` heads. ``*_config`` override a
-    kernel's launch as ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (powers of two >= 16; small tiles
-    make small tests cross many tiles). With ``return_lse`` also returns the natural-log log-sum-exp
-    ``[..., N, Hq]``.
+    kernel's launch with a :class:`~.tuning.LaunchConfig` (small tiles make small tests cross many
+    tiles). With ``return_lse`` also returns the natural-log log-sum-exp ``[..., N, Hq]``.
     """
-    _check(q)
     batched = q.dim() == 4
     if not batched:
         q, k, v = q[None], k[None], v[None]
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    defaults = CONFIGS.get(d, _SMALL_HEAD_CONFIG)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    o, lse2 = DilatedAttentionFunction.apply(
-        q, k, v, (int(dilation), int(window), int(initial)), scale,
-        fwd_config or defaults["fwd"], dkdv_config or defaults["dkdv"], dq_config or defaults["dq"],
-    )
-    lse = lse2.transpose(1, 2) / LOG2E  # [B, N, Hq]
-    if not batched:
-        o, lse = o[0], lse[0]
-    return (o, lse) if return_lse else o
+    launches = _launches(q.shape[-1], fwd_config, dkdv_config, dq_config)
+    pattern = (int(dilation), int(window), int(initial))
+
+    def apply(q, k, v, scale):
+        return DilatedAttentionFunction.apply(q, k, v, pattern, scale, *launches)
+
+    result = core.run_attention(apply, q, k, v, scale=scale, return_lse=return_lse)
+    if batched:
+        return result
+    return (result[0][0], result[1][0]) if return_lse else result[0]

@@ -26,7 +26,7 @@ waits on a chunk that no one runs. By default there is one program per chunk (on
 ticket after ticket until its chain runs out (a *persistent* launch). For one chunk a program:
 
 1. scans its ``[BLOCK_T, BLOCK_C]`` rows into the chunk's map ``(A, B)`` from the state before the chunk
-   to the state at its end (two ways, below);
+   to the state at its end (below);
 2. finds the state entering the chunk. Fast path: if the previous chunk's *inclusive* state (the true
    ``h`` at its end) is already published, take it. Otherwise publish the chunk's map and *look back*:
    walking to earlier chunks, compose their published maps until one with a published inclusive state,
@@ -39,38 +39,33 @@ Publishing is a flag per (chunk, chain): 0 nothing yet, 1 map published, 2 inclu
 A writer stores the vector(s), synchronizes its threads, then one thread sets the flag with a *release*
 atomic; a reader reads the flag with an *acquire* atomic (one scalar, the same for every thread), and
 only then loads the vectors it announces, bypassing the L1 cache. Every decision to take the fast path,
-stop or step back is thus uniform across the program's threads (an earlier version used the data as its
-own flag: threads holding copies of the same element could disagree, and wide tiles returned NaN on the
-GPU). Rows beyond the chunk or the sequence load ``g = 1, x = 0``: the identity map. (Under the
-interpreter programs run one after another in ticket order and never wait.)
+stop or step back is thus uniform across the program's threads (data used as its own flag would not be:
+threads holding copies of the same element could disagree). Rows beyond the chunk or the sequence load
+``g = 1, x = 0``: the identity map. (Under the interpreter programs run one after another in ticket order
+and never wait.) The constexpr ``INCLUSIVE_EVERY`` has every k-th chunk publish its inclusive state and
+the others only their maps; every launch here uses 1, and a larger k makes later chunks compose maps,
+the path a GPU takes whenever a predecessor is still running.
 
-Two ways to scan a chunk
-------------------------
-``"tile"`` loads the whole ``[BLOCK_T, BLOCK_C]`` tile of ``x`` and ``g`` (channels contiguous:
-coalesced) and scans it along time with ``tl.associative_scan``: row ``t`` becomes the map from the
-chunk's start to ``h_t``, and ``h_t = A_t h_in + B_t`` needs no second read. The tile lives in registers,
-so chunks stay short, and the scan trades values between threads.
-
-``"loop"`` walks the rows in two passes, each thread keeping the state of its ``BLOCK_C / (32 x warps)``
+Scanning a chunk: rows in unrolled groups
+-----------------------------------------
+A chunk's rows are walked in two passes, each thread keeping the state of its ``BLOCK_C / (32 x warps)``
 channels in registers: pass 1 folds the rows into ``(A, B)``; after step 2, pass 2 reads the rows again
 and writes ``h``. Each pass is a runtime loop over groups of ``UNROLL`` rows (``unroll``, capped at
 ``BLOCK_T``; the last group of a chunk may overrun it: rows past the chunk's end are identities and are
 not written); a group issues all of its loads before it uses any (the loads are independent of the
 state, so their memory latencies overlap) and then folds or writes its rows one by one. The compiled
-code holds one group's worth of rows per pass whatever ``BLOCK_T`` is, so chunks of hundreds of rows
-compile in about a second (an earlier version unrolled every row of the chunk, and more than 32 rows
-took minutes). Pass 1 asks the L2 cache to keep the rows (``evict_last``) and pass 2 lets them go
-(``evict_first``, and the outputs are streamed the same way): pass 2's reads are cheap only while the
-rows that all running programs have read but not yet re-read fit in L2, which is what a persistent
-launch with few programs bounds (an unbounded launch holds about ``resident programs x chunk bytes``).
+code holds one group's worth of rows per pass whatever ``BLOCK_T`` is, so long chunks compile quickly.
+Pass 1 asks the L2 cache to keep the rows (``evict_last``) and pass 2 lets them go (``evict_first``, and
+the outputs are streamed the same way): pass 2's reads are cheap only while the rows that all running
+programs have read but not yet re-read fit in L2, which is what a persistent launch with few programs
+bounds (an unbounded launch holds about ``resident programs x chunk bytes``).
 
-What limits the speed (estimates, not measurements). Per chunk there is a fixed cost: a ticket, one
-acquire read (fast path) or a map publish and a look-back, and one state publish (a release fence each).
-And along a chain states resolve in order: a look-back round (flag reads, then map loads: two trips to
-L2) settles at most ``WINDOW`` chunks, so a chain's ``N / BLOCK_T`` chunks take about
-``N / (BLOCK_T x WINDOW)`` rounds one after another: 512 rounds for 16-row chunks over 128K steps, the
-order of the whole runtime measured below. Long chunks shorten that chain; a wide window shortens it too
-but its ``[WINDOW, BLOCK_C]`` map tiles are most of the kernel's registers, hence a launch parameter.
+What limits the speed. Per chunk there is a fixed cost: a ticket, one acquire read (fast path) or a map
+publish and a look-back, and one state publish (a release fence each). And along a chain states resolve
+in order: a look-back round (flag reads, then map loads: two trips to L2) settles at most ``WINDOW``
+chunks, so a chain's ``N / BLOCK_T`` chunks take about ``N / (BLOCK_T x WINDOW)`` rounds one after
+another. Long chunks shorten that chain; a wide window shortens it too but its ``[WINDOW, BLOCK_C]`` map
+tiles are most of the kernel's registers, hence a launch parameter.
 
 Backward
 --------
@@ -88,39 +83,23 @@ reads the saved output ``h`` shifted by one step for ``h_{t-1}``.
 Precision: the state and all arithmetic are fp32 whatever the input dtype; outputs and gradients are
 stored in the input dtype. Under ``TRITON_INTERPRET=1`` (CPU) the kernels run through numpy.
 
-Status on an H200 (``[1, 128K, 2048]`` bf16, against a 4.24 TB/s ``copy_`` in the same run). The sweep
-(``bench dilated --scan-only --tune-scan``, ``bench/results/scan-tune__*.json``, 25 launches, every one
-within 1.7e-3 / 1.9e-3 of the fp32 loop): the old 16-row chunks now run at 43% / 65% (fast path and
-grouped loop; before them 29% / 26%); 64-256-row chunks at 51-57% forward and 66-70% backward; persistent
-launches were the fastest (64 rows, 6 programs per SM: 59-61% / 73%). Two narrowing runs around them
-(``--scan-config``, ``bench/results/scan-tune-persistent__*.json`` and ``scan-narrow-*__*.json``) found
-shorter chunks and wider channel blocks better still; the default ``DEFAULT_CONFIG`` (48 rows x 512
-channels, 4 warps, groups of 16 rows, window 8, 6 programs per SM) moves 2.83 TB/s forward (67% of copy)
-and 3.37 TB/s backward (80%). The backward moves more bytes per step (x, g, h, dh in; dx, dg out), which
-amortizes the per-chunk cost better; the forward's remaining gap is that cost and pass 2's re-reads.
+Launch settings are a :class:`~.tuning.ScanConfig` (``block_m`` rows per chunk, ``block_n`` channels per
+chain, warps, stages, ``unroll``, ``window``, ``programs_per_sm``); the default is ``tuning.SCAN``.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import tuning
+from .tuning import ScanConfig
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# A ScanConfig; `python -m treeattn_lab bench dilated --scan-only --tune-scan` times and checks the
-# candidates on a GPU.
-DEFAULT_CONFIG = (48, 512, 4, 1, "loop", 16, 8, 6)  # the fastest on an H200 (bench/results/scan-*.json)
 # Flag values per (chunk, chain).
 MAP_READY = tl.constexpr(1)
 STATE_READY = tl.constexpr(2)
-# Tests raise _INCLUSIVE_EVERY so that most chunks publish only their map: under the interpreter the
-# look-back then has to compose maps, as it does on a GPU whenever a predecessor is still running.
-_INCLUSIVE_EVERY = 1
-# Predecessor chunks whose flags one look-back step reads at once (CUB reads a warp's worth): the default
-# of ScanConfig.window.
-LOOK_BACK_WINDOW = 16
 
 
 @triton.jit
@@ -204,7 +183,7 @@ def _chunk_state_in(a_last, b_last, AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_cha
     state; returns the state entering the chunk.
 
     The fast path is only for chunks that publish their inclusive state: one that publishes nothing but
-    its map (tests, through ``INCLUSIVE_EVERY``) must publish it, or its successors would wait forever."""
+    its map (``INCLUSIVE_EVERY > 1``) must publish it, or its successors would wait forever."""
     vec = tl.arange(0, BLOCK_C)
     slot = pos * n_chains + chain
     prev = tl.maximum(slot - n_chains, 0)  # the same chain's previous chunk (clamped: unused for pos 0)
@@ -223,54 +202,7 @@ def _chunk_state_in(a_last, b_last, AGG_A, AGG_B, INCL, FLAGS, pos, chain, n_cha
     return h_in
 
 
-# ---------------------------------------------------------------------------------- "tile": one tile scan
-@triton.jit
-def _fwd_tile_chunk(X, G, H, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b,
-                    stride_t, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
-                    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr):
-    """Forward chunk ``pos`` of ``chain`` as one ``[BLOCK_T, BLOCK_C]`` tile (``UNROLL`` is unused)."""
-    row = (chain // n_cblk).to(tl.int64)
-    offs_c = (chain % n_cblk) * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_t = pos * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask = (offs_t < N)[:, None] & (offs_c < C)[None, :]
-    ptrs = row * stride_b + offs_t.to(tl.int64)[:, None] * stride_t + offs_c[None, :]
-    x = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + ptrs, mask=mask, other=1.0).to(tl.float32)
-    a, b = tl.associative_scan((g, (1.0 - g) * x), 0, _compose)
-    h_in = _chunk_state_in(_last_row(a, BLOCK_T), _last_row(b, BLOCK_T), AGG_A, AGG_B, INCL, FLAGS, pos,
-                           chain, n_chains, BLOCK_C, INCLUSIVE_EVERY, WINDOW)
-    tl.store(H + ptrs, (a * h_in[None, :] + b).to(H.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _bwd_tile_chunk(X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk,
-                    stride_b, stride_t, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
-                    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr):
-    """Backward chunk ``pos`` (counted from the end) as one tile, latest row first."""
-    row = (chain // n_cblk).to(tl.int64)
-    offs_c = (chain % n_cblk) * BLOCK_C + tl.arange(0, BLOCK_C)
-    in_c = offs_c < C
-    offs_t = N - 1 - pos * BLOCK_T - tl.arange(0, BLOCK_T)  # latest row first
-    valid = offs_t >= 0
-    mask = valid[:, None] & in_c[None, :]
-    ptrs = row * stride_b + offs_t.to(tl.int64)[:, None] * stride_t + offs_c[None, :]
-    dh = tl.load(DH + ptrs, mask=mask, other=0.0).to(tl.float32)
-    has_next = (valid & (offs_t + 1 < N))[:, None] & in_c[None, :]
-    g_next = tl.load(G + ptrs + stride_t, mask=has_next, other=0.0).to(tl.float32)
-    g = tl.load(G + ptrs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
-    has_prev = (valid & (offs_t >= 1))[:, None] & in_c[None, :]
-    h_prev = tl.load(H + ptrs - stride_t, mask=has_prev, other=0.0).to(tl.float32)
-    a = tl.where(valid[:, None], g_next, 1.0)  # padding rows: identity maps
-    a, b = tl.associative_scan((a, dh), 0, _compose)
-    lam_in = _chunk_state_in(_last_row(a, BLOCK_T), _last_row(b, BLOCK_T), AGG_A, AGG_B, INCL, FLAGS, pos,
-                             chain, n_chains, BLOCK_C, INCLUSIVE_EVERY, WINDOW)
-    lam = a * lam_in[None, :] + b
-    tl.store(DX + ptrs, ((1.0 - g) * lam).to(DX.dtype.element_ty), mask=mask)
-    tl.store(DG + ptrs, (lam * (h_prev - x)).to(DG.dtype.element_ty), mask=mask)
-
-
-# ------------------------------------------------------------------------- "loop": rows in unrolled groups
+# ------------------------------------------------------------------------- a chunk's rows in unrolled groups
 @triton.jit
 def _row_at(PTR, base, offs_c, C, stride_t, t, lo, hi):
     """Pointers to row ``t`` of the chain at ``PTR + base`` (channels ``offs_c``) and the mask of its
@@ -377,72 +309,41 @@ def _bwd_loop_chunk(X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, pos, chain, 
 @triton.jit(do_not_specialize=["N", "n_chains", "n_cblk", "n_chunks"])
 def _scan_fwd(
     X, G, H, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, n_chunks, stride_b, stride_t,
-    CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
-    INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, INCLUSIVE_EVERY: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Serve one chain: take its next ticket and scan that chunk with ``CHUNK`` (``_fwd_tile_chunk`` or
-    ``_fwd_loop_chunk``) until the chain's chunks run out."""
+    """Serve one chain: take its next ticket and scan that chunk until the chain's chunks run out."""
     chain = tl.program_id(0) % n_chains
     pos = tl.atomic_add(TICKETS + chain, 1)
     while pos < n_chunks:
-        CHUNK(X, G, H, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b, stride_t,
-              BLOCK_T, BLOCK_C, UNROLL, INCLUSIVE_EVERY, WINDOW)
+        _fwd_loop_chunk(X, G, H, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b,
+                        stride_t, BLOCK_T, BLOCK_C, UNROLL, INCLUSIVE_EVERY, WINDOW)
         pos = tl.atomic_add(TICKETS + chain, 1)
 
 
 @triton.jit(do_not_specialize=["N", "n_chains", "n_cblk", "n_chunks"])
 def _scan_bwd(
     X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, TICKETS, N, C, n_chains, n_cblk, n_chunks, stride_b,
-    stride_t, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+    stride_t, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
     INCLUSIVE_EVERY: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """The backward ticket walk (tickets count chunks from the end), like :func:`_scan_fwd`."""
     chain = tl.program_id(0) % n_chains
     pos = tl.atomic_add(TICKETS + chain, 1)
     while pos < n_chunks:
-        CHUNK(X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk, stride_b,
-              stride_t, BLOCK_T, BLOCK_C, UNROLL, INCLUSIVE_EVERY, WINDOW)
+        _bwd_loop_chunk(X, G, H, DH, DX, DG, AGG_A, AGG_B, INCL, FLAGS, pos, chain, N, C, n_chains, n_cblk,
+                        stride_b, stride_t, BLOCK_T, BLOCK_C, UNROLL, INCLUSIVE_EVERY, WINDOW)
         pos = tl.atomic_add(TICKETS + chain, 1)
 
 
-class ScanConfig(NamedTuple):
-    """One launch: chunk rows, channels per chain, warps, pipeline stages, how a chunk is scanned
-    (``"tile"``: load the ``[block_t, block_c]`` tile, ``tl.associative_scan`` it; ``"loop"``: walk its
-    rows, twice), rows per unrolled group of the loop (``unroll``; capped at ``block_t``, unused by the tile
-    scan), predecessors one look-back step reads (``window``, a power of two: its ``[window, block_c]`` map
-    tiles are most of the kernel's registers) and programs per multiprocessor for a persistent launch
-    (``programs_per_sm``; 0: one program per chunk)."""
-
-    block_t: int
-    block_c: int
-    num_warps: int = 4
-    num_stages: int = 1
-    method: str = "loop"
-    unroll: int = 8
-    window: int = LOOK_BACK_WINDOW
-    programs_per_sm: int = 0
-
-
-CHUNKS = {"tile": (_fwd_tile_chunk, _bwd_tile_chunk), "loop": (_fwd_loop_chunk, _bwd_loop_chunk)}
-
-
 def _checked_config(config) -> ScanConfig:
-    """``config`` (a :class:`ScanConfig`, a tuple of its fields, or None for the default), validated."""
-    cfg = ScanConfig(*(config or DEFAULT_CONFIG))
-    if cfg.method not in CHUNKS:
-        raise ValueError(f"scan method must be one of {sorted(CHUNKS)}, got {cfg.method!r}")
-    tile_rows = cfg.method == "tile"  # the loop walks any number of rows; tl.arange needs 2**k
-    sizes = (("block_t", cfg.block_t, tile_rows), ("block_c", cfg.block_c, True),
-             ("unroll", cfg.unroll, False), ("window", cfg.window, True))
-    for name, size, pow2 in sizes:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or (pow2 and size & (size - 1)):
-            kind = "power of two" if pow2 else "positive int"
-            raise ValueError(f"scan {name} must be a {kind}, got {size!r}")
-    per_sm = cfg.programs_per_sm
-    if not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 0:
-        raise ValueError(f"scan programs_per_sm must be a non-negative int (0: one program per chunk), got "
-                         f"{per_sm!r}")
-    return cfg
+    """``config``: a :class:`~.tuning.ScanConfig` (checked when it was made), or None for ``tuning.SCAN``."""
+    if config is None:
+        return tuning.SCAN
+    if type(config) is not ScanConfig:
+        raise TypeError(f"config must be a treeattn_lab.kernels.tuning.ScanConfig or None, got "
+                        f"{type(config).__name__} {config!r}")
+    return config
 
 
 def _num_programs(cfg: ScanConfig, n_chains: int, n_chunks: int, device: torch.device) -> int:
@@ -458,18 +359,18 @@ def _num_programs(cfg: ScanConfig, n_chains: int, n_chunks: int, device: torch.d
 def _launch(direction, tensors, B, N, C, config):
     """Allocate the per-chunk vectors, flags (0) and tickets (0); run the ticket walk over every chain."""
     cfg = _checked_config(config)
-    n_cblk = triton.cdiv(C, cfg.block_c)
-    n_chains, n_chunks = B * n_cblk, triton.cdiv(N, cfg.block_t)
+    n_cblk = triton.cdiv(C, cfg.block_n)
+    n_chains, n_chunks = B * n_cblk, triton.cdiv(N, cfg.block_m)
     dev = tensors[0].device
-    vecs = torch.empty((3, n_chunks * n_chains * cfg.block_c), device=dev, dtype=torch.float32)
+    vecs = torch.empty((3, n_chunks * n_chains * cfg.block_n), device=dev, dtype=torch.float32)
     counters = torch.zeros(n_chunks * n_chains + n_chains, device=dev, dtype=torch.int32)
     flags, tickets = counters[: n_chunks * n_chains], counters[n_chunks * n_chains:]
     kernel = (_scan_fwd, _scan_bwd)[direction]
     kernel[(_num_programs(cfg, n_chains, n_chunks, dev),)](
         *tensors, vecs[0], vecs[1], vecs[2], flags, tickets, N, C, n_chains, n_cblk, n_chunks,
-        tensors[0].stride(0), tensors[0].stride(1), CHUNK=CHUNKS[cfg.method][direction], BLOCK_T=cfg.block_t,
-        BLOCK_C=cfg.block_c, UNROLL=min(cfg.unroll, cfg.block_t), INCLUSIVE_EVERY=_INCLUSIVE_EVERY,
-        WINDOW=cfg.window, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        tensors[0].stride(0), tensors[0].stride(1), BLOCK_T=cfg.block_m, BLOCK_C=cfg.block_n,
+        UNROLL=min(cfg.unroll, cfg.block_m), INCLUSIVE_EVERY=1, WINDOW=cfg.window, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def scan_forward(x: torch.Tensor, g: torch.Tensor, config=None) -> torch.Tensor:
@@ -512,8 +413,8 @@ def triton_gated_scan(x: torch.Tensor, g: torch.Tensor, *, dim: int = 0, config=
     """The recurrence along ``dim`` of ``x`` and ``g`` (same shape), with the Triton kernels.
 
     Inputs are already validated by ``treeattn_lab.ops.gated_scan``. The tensor is viewed as
-    ``[before dim, N, after dim]`` (made contiguous if it is not). ``config`` overrides the launch: a
-    :class:`ScanConfig` or a tuple of its fields (``block_t`` and ``block_c`` at least).
+    ``[before dim, N, after dim]`` (made contiguous if it is not). ``config`` overrides the launch with a
+    :class:`~.tuning.ScanConfig`.
     """
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {x.dtype} is not supported by the triton scan; use fp16, bf16 or fp32")

@@ -18,26 +18,22 @@ import pytest
 import torch
 from hypothesis import given, settings
 from treeattn_lab.kernels import block_sparse as kernel_module
-from treeattn_lab.kernels.block_sparse import (
-    attention_delta,
-    bar_plan,
-    gather_bars,
-    sparse_backward,
-    sparse_forward,
-    triton_sparse_attention,
-)
+from treeattn_lab.kernels import tuning
+from treeattn_lab.kernels.attention_core import attention_delta
+from treeattn_lab.kernels.bar_columns import BAR_PAD, bar_plan, gather_bars
+from treeattn_lab.kernels.block_sparse import sparse_backward, sparse_forward, triton_sparse_attention
+from treeattn_lab.kernels.tuning import LaunchConfig, SparseConfig
 
 from tests.conftest import poisoned_allocations, relative_error
 from treeattn_lab import sparse_attention
-from treeattn_lab.ops.sparse import reference_sparse_attention
 from treeattn_lab.patterns.vertical_slash import VerticalSlashPattern
+from treeattn_lab.reference.sparse import sparse_attention as reference_sparse_attention
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
-SMALL = {"bar": 16, "split": 2}
-SUBTILED = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "bar": 16, "bar_kv": 32,
-            "split": 1}
-ATOMIC = {**SUBTILED, "dq_atomic": True, "split": 2}
-CONFIGS = [SMALL, SUBTILED, ATOMIC, {"bar": 32, "bar_kv": 16, "split": 3, "dq_atomic": True}]
+SMALL = SparseConfig(bar=16, split=2)
+SUBTILED = SparseConfig(fwd=LaunchConfig(16, 16, 4, 1), dq=LaunchConfig(16, 16, 4, 1),
+                        dkdv=LaunchConfig(16, 16, 4, 1), bar=16, bar_kv=32, split=1)
+CONFIGS = [SMALL, SUBTILED, SparseConfig(bar=32, bar_kv=16, split=3)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
 
 
@@ -84,15 +80,15 @@ def test_kernel_matches_reference_on_random_patterns_fp32(seed, n, block_size, g
     _check(pattern, n, hq=gqa[0], hkv=gqa[1], d=16, dtype=torch.float32, seed=seed, config=config)
 
 
-@pytest.mark.parametrize("config", [SMALL, ATOMIC], ids=["small", "atomic"])
+@pytest.mark.parametrize("config", [SMALL, SUBTILED], ids=["small", "subtiled"])
 def test_kernel_matches_reference_fp16_awkward_size(config):
     gen = torch.Generator().manual_seed(7)
     pattern = random_pattern(gen, 83, 2, 16, 7, 4)  # 83 tokens: neither tiles nor chunks divide it
     _check(pattern, 83, hq=2, hkv=1, d=32, dtype=torch.float16, seed=7, scale=0.2, config=config)
 
 
-def test_atomic_dq_into_a_callers_buffer_of_another_dtype():
-    """dq_atomic accumulates in fp32 and then writes or adds into a caller's fp16 dQ like the dQ kernel."""
+def test_dq_into_a_callers_buffer_of_another_dtype():
+    """The dQ kernel writes (or with accumulate_q adds) into a caller's fp16 dQ what it returns fresh."""
     n, heads, d = 80, 2, 16
     gen = torch.Generator().manual_seed(9)
     index = random_pattern(gen, n, heads, 16, 6, 3).to(DEVICE).block_index(n)
@@ -100,17 +96,16 @@ def test_atomic_dq_into_a_callers_buffer_of_another_dtype():
     bar_k, bar_v = gather_bars(k, v, index)
     o, lse = sparse_forward(q, k, v, bar_k, bar_v, index, scale=0.25)
     delta = attention_delta(o, do)
+    fresh = sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, scale=0.25, config=SMALL)[0]
+    assert torch.isfinite(fresh).all() and fresh.abs().sum() > 0
     start = torch.randn(n, heads, d, generator=gen).to(DEVICE, torch.float16)
-    got = {}
-    for atomic in (False, True):
-        for accumulate in (False, True):
-            dq = start.clone()
-            out = sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, scale=0.25, dq=dq,
-                                  accumulate_q=accumulate, config={**SMALL, "dq_atomic": atomic})[0]
-            assert out is dq
-            got[atomic, accumulate] = dq
     for accumulate in (False, True):
-        torch.testing.assert_close(got[True, accumulate], got[False, accumulate], rtol=2e-3, atol=2e-3)
+        dq = start.clone()
+        out = sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, scale=0.25, dq=dq,
+                              accumulate_q=accumulate, config=SMALL)[0]
+        assert out is dq
+        want = start.float() + fresh.float() if accumulate else fresh.float()
+        torch.testing.assert_close(dq.float(), want, rtol=2e-3, atol=2e-3)
 
 
 def test_clean_bar_chunks_run_unmasked_and_match_fp16_subtiled():
@@ -124,7 +119,7 @@ def test_clean_bar_chunks_run_unmasked_and_match_fp16_subtiled():
     assert (plan.clean >= 32).any(), "no clean chunk: the unmasked bar path would go untested"
     assert (plan.clean_from < plan.clean.shape[1]).any()
     _check(pattern, n, hq=2, hkv=1, d=32, dtype=torch.float16, seed=5, config=SUBTILED)
-    _check(pattern, n, hq=2, hkv=2, d=16, dtype=torch.float32, seed=6, config={"bar": 16, "bar_kv": 16})
+    _check(pattern, n, hq=2, hkv=2, d=16, dtype=torch.float32, seed=6, config=SparseConfig(bar=16, bar_kv=16))
 
 
 @settings(max_examples=8)
@@ -147,7 +142,7 @@ def test_bar_plan_agrees_with_the_bar_mask(seed, n, bar_kv, ring):
         return
     plan = bar_plan(index, bar_kv)
     reads = index.bar_mask()  # [H, num_q, nb]
-    real = index.bar_pos != kernel_module.BAR_PAD
+    real = index.bar_pos != BAR_PAD
     block = torch.arange(index.num_q) // index.block_size
     for h in range(index.num_heads):
         for i in range(index.q_blocks.numel()):
@@ -188,7 +183,7 @@ def test_rows_that_see_nothing_output_zero():
     assert (out[80:, 1] != 0).any()
 
 
-@pytest.mark.parametrize("config", [SMALL, SUBTILED, ATOMIC], ids=["small", "subtiled", "atomic"])
+@pytest.mark.parametrize("config", [SMALL, SUBTILED], ids=["small", "subtiled"])
 def test_merge_state_and_accumulated_gradients_across_split_keys(config):
     """Two calls over disjoint key halves, merged in place, equal one call; so do their gradients
     (the ring's contract: MERGE forward, ACCUMULATE dq, fresh fp32 dk/dv per call)."""
@@ -264,12 +259,15 @@ def test_bad_inputs_are_refused_clearly():
     with pytest.raises(ValueError, match="scale"):
         sparse_attention(q, q, q, pattern, scale=-1.0)
     index = pattern.block_index(8)
-    for config, match in [({"bars": (8, 2)}, "unknown block-sparse config keys"),
-                          ({"fwd": (8, 2)}, "BLOCK_M, BLOCK_N, num_warps, num_stages"),
-                          ({"dq": (128, 24, 4, 2)}, "power of two"), ({"bar": 8}, "power of two"),
-                          ({"split": 0}, "positive int")]:
-        with pytest.raises(ValueError, match=match):
-            triton_sparse_attention(q, q, q, index, config=config)
+    for make, error, match in [
+            (lambda: {"bar": 16}, TypeError, "config must be a treeattn_lab.kernels.tuning.SparseConfig"),
+            (lambda: SparseConfig(fwd=(16, 16, 4, 1)), TypeError, "SparseConfig.fwd must be a"),
+            (lambda: SparseConfig(dq=LaunchConfig(128, 24, 4, 2)), ValueError, "block_n must be a power"),
+            (lambda: SparseConfig(bar=8), ValueError, "bar must be a power of two >= 16"),
+            (lambda: SparseConfig(split=0), ValueError, "split must be an int >= 1"),
+            (lambda: SparseConfig(dkdv=LaunchConfig(16, 16, 4, 1, tma=True)), ValueError, "no TMA path")]:
+        with pytest.raises(error, match=match):
+            triton_sparse_attention(q, q, q, index, config=make())
 
 
 COMPILE_FOR_SM90 = textwrap.dedent("""
@@ -292,7 +290,7 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
                                 options=options.__dict__)
         name, shared = self.__name__, kernel.metadata.shared
         assert shared <= 232448, f"{name}: {shared} B of shared memory, the H200 has 227 KB"
-        assert "wgmma" in kernel.asm["ptx"] or name == "_bsa_delta", f"{name}: no tensor-core dots"
+        assert "wgmma" in kernel.asm["ptx"], f"{name}: no tensor-core dots"
         print("compiled", self.__name__, "shared", kernel.metadata.shared)
 
     JITFunction.run = compile_instead_of_launch
@@ -307,15 +305,13 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
     bk, bv = (x.contiguous() for x in B.gather_bars(k, v, index))
     lse = torch.zeros(hq, n)
     B.sparse_forward(q, k, v, bk, bv, index, scale=0.1, state=(q.float(), lse))
-    for config in ({}, {"dq_atomic": True}):
-        B.sparse_backward(do, q, k, v, bk, bv, lse, lse, index, scale=0.1, dq=q.float(), dk=k.float(),
-                          dv=v.float(), accumulate_q=True, accumulate_kv=True, config=config)
+    B.sparse_backward(do, q, k, v, bk, bv, lse, lse, index, scale=0.1, dq=q.float(), dk=k.float(),
+                      dv=v.float(), accumulate_q=True, accumulate_kv=True)
 """)
 
 
 def test_kernels_compile_for_sm90():
-    """The GPU build (bf16, head dim 128, default launch settings and dq_atomic, GQA, merge and
-    accumulate variants)
+    """The GPU build (bf16, head dim 128, default launch settings, GQA, merge and accumulate variants)
     passes Triton's compiler and ptxas for sm_90: the interpreter does not check dot shapes, dtypes,
     constexpr use or shared memory."""
     import triton.backends
@@ -326,18 +322,23 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 4, result.stdout
+    assert result.stdout.count("compiled") == 3, result.stdout
 
 
 def test_short_calls_start_from_the_short_configs():
-    """Calls up to SHORT_QUERIES queries use the short-sequence shapes; longer ones CONFIGS; explicit
-    entries win; shapes never exceed the index's block."""
+    """Calls up to SPARSE_SHORT_QUERIES queries use the short-sequence launches; longer ones SPARSE;
+    explicit fields win; shapes never exceed the index's block."""
     from types import SimpleNamespace
 
-    short = SimpleNamespace(block_size=128, num_q=kernel_module.SHORT_QUERIES)
-    long = SimpleNamespace(block_size=128, num_q=kernel_module.SHORT_QUERIES + 1)
-    assert kernel_module._resolve(None, short)["dkdv"] == kernel_module.SHORT_CONFIGS["dkdv"]
-    assert kernel_module._resolve(None, long)["dkdv"] == kernel_module.CONFIGS["dkdv"]
-    assert kernel_module._resolve({"dkdv": (16, 16, 1, 1)}, short)["dkdv"] == (16, 16, 1, 1)
+    short = SimpleNamespace(block_size=128, num_q=tuning.SPARSE_SHORT_QUERIES)
+    long = SimpleNamespace(block_size=128, num_q=tuning.SPARSE_SHORT_QUERIES + 1)
+    assert kernel_module._resolve(None, short)["dkdv"] == tuning.SPARSE_SHORT.dkdv
+    assert kernel_module._resolve(None, short)["split"] == tuning.SPARSE_SHORT.split
+    assert kernel_module._resolve(None, long)["dkdv"] == tuning.SPARSE.dkdv
+    assert kernel_module._resolve(None, long)["split"] is None
+    mine = SparseConfig(dkdv=LaunchConfig(16, 16, 1, 1))
+    assert kernel_module._resolve(mine, short)["dkdv"] == LaunchConfig(16, 16, 1, 1)
+    assert kernel_module._resolve(mine, short)["fwd"] == tuning.SPARSE_SHORT.fwd
     small_block = SimpleNamespace(block_size=32, num_q=64)
-    assert kernel_module._resolve(None, small_block)["fwd"][:2] == (32, 32)
+    fwd = kernel_module._resolve(None, small_block)["fwd"]
+    assert (fwd.block_m, fwd.block_n) == (32, 32)

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from treeattn_lab.kernels import dilated_attention as kernel_module
 from treeattn_lab.kernels.dilated_attention import triton_dilated_attention
+from treeattn_lab.kernels.tuning import LaunchConfig
 
 from tests.conftest import poisoned_allocations, relative_error
 from treeattn_lab import dilated_attention, reference
@@ -22,8 +23,10 @@ from treeattn_lab.patterns.dilated import DilatedPattern, dilated_mask, dilated_
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 SMALL_TILES = [
-    {"fwd_config": (16, 16, 4, 1), "dkdv_config": (16, 16, 4, 1), "dq_config": (16, 16, 4, 1)},
-    {"fwd_config": (32, 16, 4, 1), "dkdv_config": (16, 32, 4, 1), "dq_config": (16, 32, 4, 1)},
+    {"fwd_config": LaunchConfig(16, 16, 4, 1), "dkdv_config": LaunchConfig(16, 16, 4, 1),
+     "dq_config": LaunchConfig(16, 16, 4, 1)},
+    {"fwd_config": LaunchConfig(32, 16, 4, 1), "dkdv_config": LaunchConfig(16, 32, 4, 1),
+     "dq_config": LaunchConfig(16, 32, 4, 1)},
 ]
 
 
@@ -139,6 +142,16 @@ def test_kernel_matches_reference_edge_cases(shape, pattern):
 @pytest.mark.parametrize(("n", "pattern"), [(61, (4, 8, 2)), (45, (1, 0, 0))])
 def test_kernel_matches_reference_fp16(n, pattern):
     _check((0, n, 2, 1, 16), pattern, dtype=torch.float16, seed=n, tiles=SMALL_TILES[1])
+
+
+@pytest.mark.parametrize(("config", "error", "match"), [
+    ((16, 16, 4, 1), TypeError, "dkdv_config must be a treeattn_lab.kernels.tuning.LaunchConfig"),
+    (LaunchConfig(16, 16, 4, 1, tma=True), ValueError, "no TMA path"),
+])
+def test_launch_configs_are_checked(config, error, match):
+    q = torch.randn(20, 1, 16, device=DEVICE)
+    with pytest.raises(error, match=match):
+        triton_dilated_attention(q, q, q, dilation=4, dkdv_config=config)
 
 
 def test_dilation_one_equals_causal_attention():

@@ -13,16 +13,22 @@ import pytest
 import torch
 import triton
 from hypothesis import given, settings
+from treeattn_lab.kernels import attention_core
 from treeattn_lab.kernels import tree_attention as kernel_module
-from treeattn_lab.kernels.tree_attention import tile_schedule, tma_usable, triton_tree_attention
+from treeattn_lab.kernels.attention_core import tma_usable
+from treeattn_lab.kernels.tree_attention import tile_schedule, triton_tree_attention
+from treeattn_lab.kernels.tuning import LaunchConfig
 
 from tests.conftest import poisoned_allocations, relative_error, rollout_forests
 from treeattn_lab import RolloutTrie, reference, tree_attention
 
 SMALL_TILES = [
-    {"fwd_config": (16, 16, 4, 1), "dkdv_config": (16, 16, 4, 1), "dq_config": (16, 16, 4, 1)},
-    {"fwd_config": (32, 16, 4, 1), "dkdv_config": (16, 32, 4, 1), "dq_config": (32, 16, 4, 1)},
-    {"fwd_config": (16, 16, 4, 1), "dkdv_config": (32, 16, 4, 1), "dq_config": "atomic"},  # dQ by atomics
+    {"fwd_config": LaunchConfig(16, 16, 4, 1), "dkdv_config": LaunchConfig(16, 16, 4, 1),
+     "dq_config": LaunchConfig(16, 16, 4, 1)},
+    {"fwd_config": LaunchConfig(32, 16, 4, 1), "dkdv_config": LaunchConfig(16, 32, 4, 1),
+     "dq_config": LaunchConfig(32, 16, 4, 1)},
+    {"fwd_config": LaunchConfig(16, 16, 4, 1), "dkdv_config": LaunchConfig(32, 16, 4, 1),
+     "dq_config": LaunchConfig(16, 32, 4, 1)},
 ]
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
@@ -98,7 +104,7 @@ def test_return_lse_matches_reference():
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(pack.num_tokens, 2, 16, generator=gen) for _ in range(3))
     _, lse = triton_tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pack.to(DEVICE),
-                                   fwd_config=(16, 16, 4, 1), return_lse=True)
+                                   fwd_config=LaunchConfig(16, 16, 4, 1), return_lse=True)
     _, want = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end, return_lse=True)
     torch.testing.assert_close(lse.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
@@ -153,8 +159,9 @@ def test_unsupported_head_dim_and_dtype_are_refused():
 
 
 # ------------------------------------------------------------------------------- TMA tile loads
-TMA_TILES = {"fwd_config": (32, 16, 4, 1, True), "dkdv_config": (16, 32, 4, 1, True),
-             "dq_config": (32, 16, 4, 1, True)}
+TMA_TILES = {"fwd_config": LaunchConfig(32, 16, 4, 1, tma=True),
+             "dkdv_config": LaunchConfig(16, 32, 4, 1, tma=True),
+             "dq_config": LaunchConfig(32, 16, 4, 1, tma=True)}
 
 
 def _awkward_pack():
@@ -206,46 +213,13 @@ def test_tma_loads_match_pointer_loads_and_reference(dtype, split_groups, pack_k
     seen = []
     tma = _run(pack, inputs, do, TMA_TILES, split_groups, seen)
     assert seen == [tma_usable(*(x.to(DEVICE) for x in inputs))] * 3  # on a GPU before sm_90: pointers
-    pointer_tiles = {name: cfg[:4] for name, cfg in TMA_TILES.items()}
+    pointer_tiles = {name: cfg.replace(tma=False) for name, cfg in TMA_TILES.items()}
     pointer = _run(pack, inputs, do, pointer_tiles, split_groups)
     tol = 1e-5 if dtype == torch.float32 else 1e-3  # equal on CPU; a GPU may round an fp16 ulp apart
     for got, want, name in zip(tma, pointer, ["out", "dq", "dk", "dv"], strict=True):
         assert torch.isfinite(got).all(), name
         torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name}: TMA != pointer loads")
     _check(pack, hq=4, hkv=2, d=16, dtype=dtype, seed=12, tiles=TMA_TILES, split_groups=split_groups)
-
-
-@pytest.mark.parametrize("pack_kind", sorted(PACKS))
-@pytest.mark.parametrize("mode", ["atomic", "atomic-tma"])
-@pytest.mark.parametrize(("dtype", "split_groups", "heads", "dkdv_tma"), [
-    (torch.float32, False, (4, 2), False), (torch.float32, True, (4, 2), False),
-    (torch.float16, True, (4, 2), True), (torch.float16, False, (2, 2), False)])
-def test_atomic_dq_matches_dq_kernel_and_reference(mode, dtype, split_groups, heads, dkdv_tma, pack_kind):
-    # dQ added tile by tile into fp32 by the dK/dV kernel (pointer atomics or TMA bulk reduce-adds), on
-    # full tiles and ragged last ones: the same gradients as the dQ kernel, and the float64 reference
-    pack = PACKS[pack_kind]()
-    gen = torch.Generator().manual_seed(21)
-    T = pack.num_tokens
-    hq, hkv = heads
-    inputs = [torch.randn(T, h, 16, generator=gen).to(dtype) for h in (hq, hkv, hkv)]
-    do = torch.randn(T, hq, 16, generator=gen).to(dtype)
-    tiles = {"fwd_config": (16, 16, 4, 1), "dkdv_config": (32, 16, 4, 1, dkdv_tma)}
-    atomic = _run(pack, inputs, do, {**tiles, "dq_config": mode}, split_groups)
-    kernel = _run(pack, inputs, do, {**tiles, "dq_config": (32, 16, 4, 1)}, split_groups)
-    tol = 1e-5 if dtype == torch.float32 else 1e-3
-    for got, want, name in zip(atomic, kernel, ["out", "dq", "dk", "dv"], strict=True):
-        assert torch.isfinite(got).all(), name
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name}: atomic dQ != dQ kernel")
-    _check(pack, hq=hq, hkv=hkv, d=16, dtype=dtype, seed=22, tiles={**tiles, "dq_config": mode},
-           split_groups=split_groups)
-
-
-def test_atomic_tma_reduces_through_tma_exactly_where_the_hardware_can():
-    x = torch.zeros(64, 2, 16, dtype=torch.float32, device=DEVICE)
-    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    assert kernel_module.dq_reduce_by_tma("atomic-tma", x) == hopper  # never under the CPU interpreter
-    assert not kernel_module.dq_reduce_by_tma("atomic", x)
-    assert not kernel_module.dq_reduce_by_tma("atomic-tma", x[:, :, 1:])  # rows not 16-byte aligned
 
 
 def test_tma_falls_back_to_pointer_loads_on_unaligned_rows():
@@ -256,7 +230,8 @@ def test_tma_falls_back_to_pointer_loads_on_unaligned_rows():
     q, k, v = (torch.randn(T * 2 * 16 + 1, generator=gen).to(DEVICE)[1:].view(T, 2, 16) for _ in range(3))
     assert not tma_usable(q, k, v)
     seen = []
-    out = _run(pack, (q, k, v), torch.zeros(T, 2, 16), {"fwd_config": (16, 16, 4, 1, True)}, False, seen)[0]
+    out = _run(pack, (q, k, v), torch.zeros(T, 2, 16), {"fwd_config": LaunchConfig(16, 16, 4, 1, tma=True)},
+               False, seen)[0]
     assert seen == [False, False, False]
     want = reference.tree_attention(*(x.cpu().double() for x in (q, k, v)), pack.subtree_end)
     assert relative_error(out, want) < 2e-5
@@ -269,18 +244,19 @@ def test_tma_refuses_overlapping_rows():
     assert not tma_usable(x, x[:1].expand(8, 2, 16), x)
 
 
-@pytest.mark.parametrize(("config", "error", "match"), [
-    ((16, 16, 4, 1, "yes"), TypeError, "tma"),
-    ((16, 16, 4), ValueError, "BLOCK_M, BLOCK_N, num_warps, num_stages"),
-    ((24, 16, 4, 1), ValueError, "BLOCK_M must be a power of two"),
-    ((16, 8, 4, 1, False), ValueError, "BLOCK_N must be a power of two"),
-    ("atomics", ValueError, "dq_config as a string must be one of"),
+@pytest.mark.parametrize(("make", "error", "match"), [
+    (lambda: LaunchConfig(16, 16, 4, 1, tma="yes"), TypeError, "tma must be a bool"),
+    (lambda: LaunchConfig(24, 16, 4, 1), ValueError, "block_m must be a power of two >= 16"),
+    (lambda: LaunchConfig(16, 8, 4, 1), ValueError, "block_n must be a power of two >= 16"),
+    (lambda: LaunchConfig(16, 16, 0, 1), ValueError, "num_warps must be an int >= 1"),
+    (lambda: (16, 16, 4, 1), TypeError, "dq_config must be a treeattn_lab.kernels.tuning.LaunchConfig"),
+    (lambda: "atomic", TypeError, "dq_config must be a treeattn_lab.kernels.tuning.LaunchConfig"),
 ])
-def test_launch_configs_are_validated(config, error, match):
+def test_launch_configs_are_validated(make, error, match):
     pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()
     q = torch.randn(3, 1, 16)
     with pytest.raises(error, match=match):
-        triton_tree_attention(q, q, q, pack, dq_config=config)
+        triton_tree_attention(q, q, q, pack, dq_config=make())
 
 
 def test_scratch_allocator_is_installed_only_where_none_is():
@@ -297,11 +273,11 @@ def test_scratch_allocator_is_installed_only_where_none_is():
     def fresh_thread(preset):
         if preset is not None:
             triton.set_allocator(preset)
-        kernel_module._ensure_scratch_allocator()
+        attention_core.ensure_scratch_allocator()
         found.append(_allocation._allocator.get())
 
     for preset in (None, theirs):
         thread = threading.Thread(target=fresh_thread, args=(preset,))
         thread.start()
         thread.join()
-    assert found == [kernel_module._tma_scratch, theirs]
+    assert found == [attention_core.tma_scratch, theirs]

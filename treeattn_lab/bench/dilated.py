@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..kernels.tuning import LaunchConfig, ScanConfig
 from ..patterns.dilated import DilatedPattern
 from .harness import environment, print_table, time_ms, write_results
 
@@ -61,40 +62,47 @@ def quick_cases() -> list[DilatedCase]:
     return [DilatedCase("tiny 256 D8 W16 P2", 256, 8, 16, 2), DilatedCase("tiny 200 D4 W0 P0", 200, 4, 0, 0)]
 
 
-# launch candidates for --tune: fwd (BLOCK_M, BLOCK_N, warps, stages); bwd (dkdv, dq)
-FWD_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+# launch candidates for --tune: fwd; bwd (dkdv, dq)
+FWD_CANDIDATES = [LaunchConfig(128, 64, 4, 3), LaunchConfig(128, 64, 8, 3), LaunchConfig(128, 128, 8, 3),
+                  LaunchConfig(64, 64, 4, 3)]
 BWD_CANDIDATES = [
-    ((32, 128, 4, 3), (128, 32, 4, 3)),
-    ((64, 128, 8, 2), (128, 64, 8, 2)),
-    ((128, 128, 8, 2), (128, 128, 8, 2)),
-    ((64, 64, 4, 2), (64, 64, 4, 2)),
+    (LaunchConfig(32, 128, 4, 3), LaunchConfig(128, 32, 4, 3)),
+    (LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 2)),
+    (LaunchConfig(128, 128, 8, 2), LaunchConfig(128, 128, 8, 2)),
+    (LaunchConfig(64, 64, 4, 2), LaunchConfig(64, 64, 4, 2)),
 ]
-# scan launch candidates for --tune-scan: ScanConfig fields (block_t, block_c, warps, stages, method[, unroll,
-# window, programs_per_sm]). Long chunks: by estimate, the states of a chain's N / block_t chunks resolve
-# about `window` chunks per look-back round, one round after another, so 16-row chunks made that chain (not
+
+
+def _scan(block_m, block_n, warps, unroll=8, window=16, programs_per_sm=0) -> ScanConfig:
+    return ScanConfig(block_m, block_n, warps, 1, unroll=unroll, window=window,
+                      programs_per_sm=programs_per_sm)
+
+
+# scan launch candidates for --tune-scan. Long chunks: the states of a chain's N / block_m chunks resolve
+# about `window` chunks per look-back round, one round after another, so short chunks make that chain (not
 # the data) the limit. Persistent launches (programs_per_sm > 0): the row loop re-reads each chunk, cheap
-# only while running programs x block_t x block_c x 4 bytes fit in L2. Compiled for sm_90 (on a CPU), only
-# the first two spill (8 bytes, forward). All were measured on an H200 (bench/results/scan-tune*__*.json);
-# the fastest launches then came from narrowing runs with --scan-config (scan-narrow-*__*.json).
+# only while running programs x block_m x block_n x 4 bytes fit in L2. Measured on an H200 in
+# bench/results/scan-tune*__*.json; narrowing runs around the fastest use --scan-config.
 SCAN_CANDIDATES = [
-    (16, 256, 2, 1, "loop"), (16, 256, 2, 1, "loop", 16),  # the old default (its 16 rows in 2 groups / 1)
-    (32, 64, 2, 1, "tile"),  # the tile scan, under the new ticket walk
-    # one program per chunk (block_c / (32 x warps) = 8 channels a thread: 16-byte loads; 4: 8 bytes; 2: 4)
-    (32, 256, 4, 1, "loop", 8, 16), (64, 256, 4, 1, "loop", 8, 16), (64, 256, 2, 1, "loop", 8, 8),
-    (64, 256, 1, 1, "loop", 8, 8), (64, 128, 1, 1, "loop", 8, 16), (64, 64, 1, 1, "loop", 8, 16),
-    (128, 256, 2, 1, "loop", 8, 8), (128, 256, 1, 1, "loop", 8, 4), (128, 512, 2, 1, "loop", 8, 4),
-    (256, 256, 2, 1, "loop", 8, 4), (256, 128, 1, 1, "loop", 8, 8),
+    _scan(16, 256, 2), _scan(16, 256, 2, unroll=16),
+    # one program per chunk (block_n / (32 x warps) = 8 channels a thread: 16-byte loads; 4: 8 bytes; 2: 4)
+    _scan(32, 256, 4), _scan(64, 256, 4), _scan(64, 256, 2, window=8), _scan(64, 256, 1, window=8),
+    _scan(64, 128, 1), _scan(64, 64, 1), _scan(128, 256, 2, window=8), _scan(128, 256, 1, window=4),
+    _scan(128, 512, 2, window=4), _scan(256, 256, 2, window=4), _scan(256, 128, 1, window=8),
     # persistent: a fixed number of programs per multiprocessor walk the chunks
-    (32, 256, 4, 1, "loop", 8, 16, 4), (64, 256, 2, 1, "loop", 8, 8, 3), (64, 256, 2, 1, "loop", 8, 8, 6),
-    (64, 256, 1, 1, "loop", 8, 8, 4), (64, 256, 4, 1, "loop", 16, 16, 2), (64, 128, 1, 1, "loop", 16, 8, 4),
-    (64, 128, 1, 1, "loop", 8, 16, 8), (64, 64, 1, 1, "loop", 8, 16, 16), (128, 256, 2, 1, "loop", 8, 8, 4),
-    (128, 512, 2, 1, "loop", 8, 4, 2), (256, 256, 2, 1, "loop", 8, 4, 2),
-    # the first H200 sweep's winner was (64, 256, 2, 1, "loop", 8, 8, 6), and more programs per SM helped
-    # every shape: around it, more programs, a wider window, shorter and longer chunks
-    (64, 256, 2, 1, "loop", 8, 8, 8), (64, 256, 2, 1, "loop", 8, 8, 12), (64, 256, 2, 1, "loop", 8, 8, 16),
-    (64, 256, 2, 1, "loop", 8, 16, 8), (64, 256, 2, 1, "loop", 16, 8, 8), (32, 256, 2, 1, "loop", 8, 8, 8),
-    (32, 256, 2, 1, "loop", 8, 8, 12), (128, 256, 2, 1, "loop", 8, 8, 8), (64, 128, 1, 1, "loop", 8, 8, 12),
-    (64, 128, 1, 1, "loop", 8, 8, 16), (64, 512, 4, 1, "loop", 8, 8, 4), (64, 512, 4, 1, "loop", 8, 8, 6),
+    _scan(32, 256, 4, programs_per_sm=4), _scan(64, 256, 2, window=8, programs_per_sm=3),
+    _scan(64, 256, 2, window=8, programs_per_sm=6), _scan(64, 256, 1, window=8, programs_per_sm=4),
+    _scan(64, 256, 4, unroll=16, programs_per_sm=2),
+    _scan(64, 128, 1, unroll=16, window=8, programs_per_sm=4),
+    _scan(64, 128, 1, programs_per_sm=8), _scan(64, 64, 1, programs_per_sm=16),
+    _scan(128, 256, 2, window=8, programs_per_sm=4), _scan(128, 512, 2, window=4, programs_per_sm=2),
+    _scan(256, 256, 2, window=4, programs_per_sm=2),
+    _scan(64, 256, 2, window=8, programs_per_sm=8), _scan(64, 256, 2, window=8, programs_per_sm=12),
+    _scan(64, 256, 2, window=8, programs_per_sm=16), _scan(64, 256, 2, programs_per_sm=8),
+    _scan(64, 256, 2, unroll=16, window=8, programs_per_sm=8), _scan(32, 256, 2, window=8, programs_per_sm=8),
+    _scan(32, 256, 2, window=8, programs_per_sm=12), _scan(128, 256, 2, window=8, programs_per_sm=8),
+    _scan(64, 128, 1, window=8, programs_per_sm=12), _scan(64, 128, 1, window=8, programs_per_sm=16),
+    _scan(64, 512, 4, window=8, programs_per_sm=4), _scan(64, 512, 4, window=8, programs_per_sm=6),
 ]
 
 
@@ -198,7 +206,7 @@ def tune(case: DilatedCase, *, heads, dim, dtype, device) -> tuple[dict, list[di
     for cfg in FWD_CANDIDATES:
         fn = _triton_fn(case, {"fwd_config": cfg})
         ms = time_ms(lambda fn=fn: fn(*inputs), device=device)
-        trials.append({"kernel": "fwd", "config": str(cfg), "ms": ms})
+        trials.append({"kernel": "fwd", "config": repr(cfg), "ms": ms})
         if best_fwd is None or ms < best_fwd[1]:
             best_fwd = (cfg, ms)
     grad = torch.randn_like(inputs[0])
@@ -206,7 +214,7 @@ def tune(case: DilatedCase, *, heads, dim, dtype, device) -> tuple[dict, list[di
     for dkdv, dq in BWD_CANDIDATES:
         fn = _triton_fn(case, {"fwd_config": best_fwd[0], "dkdv_config": dkdv, "dq_config": dq})
         ms = time_ms(lambda fn=fn: fn(*inputs).backward(grad), grad_to_none=inputs, device=device)
-        trials.append({"kernel": "fwd+bwd", "config": str((dkdv, dq)), "ms": ms})
+        trials.append({"kernel": "fwd+bwd", "config": repr((dkdv, dq)), "ms": ms})
         if best_bwd is None or ms < best_bwd[1]:
             best_bwd = ((dkdv, dq), ms)
     configs = {"fwd_config": best_fwd[0], "dkdv_config": best_bwd[0][0], "dq_config": best_bwd[0][1]}
@@ -222,32 +230,40 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def parse_scan_config(text: str) -> tuple:
-    """A ``ScanConfig`` tuple from the command line (a Python literal), checked by ``ScanConfig``'s fields."""
+def parse_scan_config(text: str) -> ScanConfig:
+    """A :class:`ScanConfig` from the command line: its printed form, ``ScanConfig(48, 512, 4, 1,
+    unroll=16)``, or just the arguments, ``48, 512, 4, 1, unroll=16`` (literal values, checked by
+    ``ScanConfig``)."""
     import ast
 
+    source = text.strip()
+    if not source.startswith("ScanConfig("):
+        source = f"ScanConfig({source})"
     try:
-        config = ast.literal_eval(text)
-    except (ValueError, SyntaxError) as e:
-        raise ValueError(f"--scan-config must be a tuple literal like (32, 256, 2, 1, 'loop'), "
-                         f"got {text!r}") from e
-    if not isinstance(config, tuple) or not 2 <= len(config) <= 8:
-        raise ValueError(f"--scan-config must be a tuple of 2 to 8 ScanConfig fields, got {text!r}")
-    return config
+        call = ast.parse(source, mode="eval").body
+        if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "ScanConfig"):
+            raise ValueError("not a ScanConfig(...) call")
+        args = [ast.literal_eval(a) for a in call.args]
+        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+        return ScanConfig(*args, **kwargs)
+    except (ValueError, SyntaxError, TypeError) as e:
+        raise ValueError(f"--scan-config must be ScanConfig fields like '48, 512, 4, 1, unroll=16, window=8, "
+                         f"programs_per_sm=6', got {text!r}: {e}") from e
 
 
 def scan_candidates(which: str | None) -> list | None:
     """The ``--tune-scan`` launches: ``"all"``, ``"persistent"`` (programs_per_sm > 0) or None (none)."""
     if which is None:
         return None
-    return [c for c in SCAN_CANDIDATES if which == "all" or (len(c) == 8 and c[7] > 0)]
+    return [c for c in SCAN_CANDIDATES if which == "all" or c.programs_per_sm > 0]
 
 
 def bench_scan(*, n, channels, dtype, device, tune_configs: list | None) -> tuple[list[dict], dict]:
     """Rows per launch config: GB/s of the bytes each pass must move, against copy, and the errors of the
     forward and backward over the first 16K steps against the fp32 loop. Then the fastest correct config's
     forward error over the whole sequence."""
-    from ..kernels.scan import DEFAULT_CONFIG, ScanConfig, scan_backward, scan_forward
+    from ..kernels.scan import scan_backward, scan_forward
+    from ..kernels.tuning import SCAN
     from ..reference.scan import gated_scan
 
     def rel(a, b):
@@ -271,32 +287,32 @@ def bench_scan(*, n, channels, dtype, device, tune_configs: list | None) -> tupl
         fwd_ms = time_ms(lambda: scan_forward(x, g, cfg), device=device)
         bwd_ms = time_ms(lambda: scan_backward(x, g, h, dh, cfg), device=device)
         dx, dg = scan_backward(x_m, g_m, scan_forward(x_m, g_m, cfg), dh_m, cfg)
-        r = {"case": f"scan [1, {n}, {channels}]", "config": list(cfg), "copy_GBps": copy_gbs,
+        r = {"case": f"scan [1, {n}, {channels}]", "config": repr(cfg), "copy_GBps": copy_gbs,
              "fwd_ms": fwd_ms, "fwd_GBps": 3 * elem / fwd_ms / 1e6, "bwd_ms": bwd_ms,
              "bwd_GBps": 6 * elem / bwd_ms / 1e6, "rel_err_fwd_16k": rel(h[:, :m], head.detach()),
              "rel_err_dx_16k": rel(dx, xs.grad), "rel_err_dg_16k": rel(dg, gs.grad)}
         r["fwd_frac_copy"] = r["fwd_GBps"] / copy_gbs
         r["bwd_frac_copy"] = r["bwd_GBps"] / copy_gbs
-        print(f"scan {tuple(cfg)}: fwd {fwd_ms:.3f} ms ({r['fwd_frac_copy']:.0%} of copy), "
+        print(f"scan {cfg!r}: fwd {fwd_ms:.3f} ms ({r['fwd_frac_copy']:.0%} of copy), "
               f"bwd {bwd_ms:.3f} ms ({r['bwd_frac_copy']:.0%}), errors {[f'{r[e]:.1e}' for e in errs]}",
               flush=True)
         return r
 
-    rows, failed = [], []
-    for candidate in tune_configs or [DEFAULT_CONFIG]:
-        cfg = ScanConfig(*candidate)  # every field, defaults filled in, in the results
+    rows, failed, launches = [], [], {}
+    for cfg in tune_configs or [SCAN]:
         try:
             rows.append(measure(cfg))
+            launches[rows[-1]["config"]] = cfg
         except Exception as exc:  # one candidate that fails to compile or run must not end the sweep
-            failed.append({"config": list(cfg), "error": repr(exc)[:500]})
-            print(f"scan {tuple(cfg)}: FAILED {failed[-1]['error']}", flush=True)
+            failed.append({"config": repr(cfg), "error": repr(exc)[:500]})
+            print(f"scan {cfg!r}: FAILED {failed[-1]['error']}", flush=True)
     if not rows:
         raise RuntimeError(f"every scan launch failed: {failed}")
     correct = [r for r in rows if all(r[e] < 1e-2 for e in errs)] or rows  # NaN fails the comparison
     best = min(correct, key=lambda r: r["fwd_ms"] + r["bwd_ms"])
     with torch.no_grad():
         errors = {"config": best["config"], "all_correct": len(correct) == len(rows), "failed": failed,
-                  "rel_err_fwd": rel(scan_forward(x, g, tuple(best["config"])),
+                  "rel_err_fwd": rel(scan_forward(x, g, launches[best["config"]]),
                                      gated_scan(x.float(), g.float(), dim=1)),
                   **{e: best[e] for e in errs}, "backward_tokens": m}
     return rows, errors
@@ -326,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-scan", nargs="?", const="all", choices=["all", "persistent"], default=None,
                         help="time every scan launch candidate (persistent: the persistent launches only)")
     parser.add_argument("--scan-config", action="append", default=None, metavar="TUPLE",
-                        help="time this scan launch, e.g. \"(32, 256, 2, 1, 'loop', 16, 8, 8)\" (repeatable; "
-                             "with --tune-scan, after its candidates)")
+                        help="time this scan launch, e.g. '48, 512, 4, 1, unroll=16, window=8, "
+                             "programs_per_sm=6' or its printed form 'ScanConfig(...)' (repeatable; with "
+                             "--tune-scan, after its candidates)")
     parser.add_argument("--no-scan", action="store_true", help="attention only")
     parser.add_argument("--scan-only", action="store_true", help="the scan only")
     parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
@@ -352,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict = {}
     if args.tune and cuda:
         configs, trials = tune(cases[0], heads=heads, dim=dim, dtype=dtype, device=device)
-        extra.update(tuned={k: list(v) for k, v in configs.items()}, tune_trials=trials)
+        extra.update(tuned={k: repr(v) for k, v in configs.items()}, tune_trials=trials)
         print_table("tuning (first case)", [("kernel", "kernel"), ("config", "config"), ("ms", "ms")], trials)
         save([])
     if args.check and cuda:

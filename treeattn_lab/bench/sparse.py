@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..kernels.tuning import LaunchConfig, SparseConfig
 from ..patterns.vertical_slash import synthetic_pattern
 from .harness import environment, print_table, time_ms, write_results
 
@@ -142,10 +143,9 @@ def run_case(case: SparseCase, *, heads: int, dim: int, dtype, device, backends,
 
 
 def check_against_reference(device, *, tokens=4096, heads=4, dim=128) -> dict:
-    """Relative errors of the bf16 kernel's output and gradients against the fp32 einops reference (also
-    with the atomic-dQ backward, keys ending in ``_atomic``)."""
+    """Relative errors of the bf16 kernel's output and gradients against the fp32 einops reference."""
     from ..kernels.block_sparse import triton_sparse_attention
-    from ..ops.sparse import reference_sparse_attention
+    from ..reference.sparse import sparse_attention as reference_sparse_attention
 
     pattern = synthetic_pattern(tokens, heads, n_vertical=200, n_slash=200, slash_scale=200.0, far_slash=0.05,
                                 device=device)
@@ -159,46 +159,43 @@ def check_against_reference(device, *, tokens=4096, heads=4, dim=128) -> dict:
         return float((a.detach().float() - b).norm() / b.norm())
 
     errors = {"check_tokens": tokens}
-    for suffix, config in (("", None), ("_atomic", {"dq_atomic": True})):
-        low = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
-        out = triton_sparse_attention(*low, pattern.block_index(tokens), config=config)
-        out.backward(do.to(torch.bfloat16))
-        errors[f"rel_err_out{suffix}"] = rel(out, out_ref)
-        errors.update({f"rel_err_d{n}{suffix}": rel(a.grad, b.grad) for n, a, b in zip("qkv", low, ref,
-                                                                                      strict=True)})
+    low = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    out = triton_sparse_attention(*low, pattern.block_index(tokens))
+    out.backward(do.to(torch.bfloat16))
+    errors["rel_err_out"] = rel(out, out_ref)
+    errors.update({f"rel_err_d{n}": rel(a.grad, b.grad) for n, a, b in zip("qkv", low, ref, strict=True)})
     return errors
 
 
-# on top of kernels.block_sparse.CONFIGS; shapes are (BLOCK_M, BLOCK_N, num_warps, num_stages), none of
-# them spills registers on sm_90 (ptxas, Triton 3.6)
+# on top of the tuned defaults (kernels/tuning.py: SPARSE, SPARSE_SHORT); none of these launches spills
+# registers on sm_90 (ptxas, Triton 3.6)
 TUNE_CONFIGS = [
-    {},
-    {"fwd": (128, 128, 8, 3)},
-    {"fwd": (64, 64, 4, 3)},
-    {"fwd": (128, 64, 8, 2)},
-    {"dq": (128, 32, 8, 3)},
-    {"dq": (64, 64, 4, 2)},
-    {"dq": (64, 32, 4, 2)},
-    {"dkdv": (32, 64, 4, 2)},
-    {"dkdv": (32, 128, 8, 3)},
-    {"bar_kv": 64, "dkdv": (32, 64, 4, 2)},
-    {"split": 4},
-    {"dq_atomic": True},
-    {"dq_atomic": True, "dkdv": (32, 128, 8, 3)},
+    SparseConfig(),
+    SparseConfig(fwd=LaunchConfig(128, 128, 8, 3)),
+    SparseConfig(fwd=LaunchConfig(64, 64, 4, 3)),
+    SparseConfig(fwd=LaunchConfig(128, 64, 8, 2)),
+    SparseConfig(dq=LaunchConfig(128, 32, 8, 3)),
+    SparseConfig(dq=LaunchConfig(64, 64, 4, 2)),
+    SparseConfig(dq=LaunchConfig(64, 32, 4, 2)),
+    SparseConfig(dkdv=LaunchConfig(32, 64, 4, 2)),
+    SparseConfig(dkdv=LaunchConfig(32, 128, 8, 3)),
+    SparseConfig(bar_kv=64, dkdv=LaunchConfig(32, 64, 4, 2)),
+    SparseConfig(split=4),
 ]
+
+
+def _set_fields(config: SparseConfig) -> dict:
+    """The fields ``config`` sets (the others stay at the defaults)."""
+    return {name: value for name, value in vars(config).items() if value is not None}
 
 
 def kernel_breakdown(case: SparseCase, *, heads, dim, dtype, device) -> dict:
     """ms of each piece of the triton path (default launch settings): forward with and without the bar
     part, the backward kernels with and without it, the bar gather, and the device time per kernel of one
     forward+backward (torch.profiler, ``kernel_ms``)."""
-    from ..kernels.block_sparse import (
-        attention_delta,
-        gather_bars,
-        sparse_backward,
-        sparse_forward,
-        triton_sparse_attention,
-    )
+    from ..kernels.attention_core import attention_delta
+    from ..kernels.bar_columns import gather_bars
+    from ..kernels.block_sparse import sparse_backward, sparse_forward, triton_sparse_attention
 
     N = case.tokens
     pattern = _pattern(N, heads, device, tuple(sorted(case.pattern.items())))
@@ -251,7 +248,7 @@ def tune(case: SparseCase, *, heads, dim, dtype, device) -> list[dict]:
     def run(cfg):
         (row,) = run_case(case, heads=heads, dim=dim, dtype=dtype, device=device, backends=["triton"],
                           config=cfg)
-        result = {"case": case.name, "config": json.dumps(cfg), "fwd_ms": row.get("fwd_ms"),
+        result = {"case": case.name, "config": repr(cfg), "fwd_ms": row.get("fwd_ms"),
                   "fwd_bwd_ms": row.get("fwd_bwd_ms"), "error": row.get("error")}
         print("tune", result, flush=True)
         return result
@@ -264,15 +261,15 @@ def tune(case: SparseCase, *, heads, dim, dtype, device) -> list[dict]:
     def gain(cfg, row):  # a forward setting is judged on the forward alone
         if row["error"]:
             return 0.0
-        key = "fwd_ms" if set(cfg) == {"fwd"} else "fwd_bwd_ms"
+        key = "fwd_ms" if set(_set_fields(cfg)) == {"fwd"} else "fwd_bwd_ms"
         return base[key] - row[key]
 
     combined = {}
     for cfg, row in sorted(zip(TUNE_CONFIGS[1:], rows[1:], strict=True), key=lambda cr: -gain(*cr)):
-        if gain(cfg, row) > 0 and not set(cfg) & set(combined):
-            combined.update(cfg)
+        if gain(cfg, row) > 0 and not set(_set_fields(cfg)) & set(combined):
+            combined.update(_set_fields(cfg))
     if len(combined) > 1:
-        rows.append(run(combined))
+        rows.append(run(SparseConfig(**combined)))
     return rows
 
 

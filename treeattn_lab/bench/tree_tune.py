@@ -1,14 +1,13 @@
 """``python -m treeattn_lab bench tree-tune``: sweep the tree kernel's launch configs on this GPU.
 
 Times the forward for every forward config, then forward+backward for every dK/dV config (with the
-best forward) and every dQ config (with the best of both), over the research cases. A config is
-``(BLOCK_M, BLOCK_N, num_warps, num_stages, tma)``: each tile shape runs with pointer loads and with TMA
-tensor-descriptor loads (``tma=True``, sm_90+; ``--loads`` picks one), so one run compares the two load
-paths; a summary gives the best of each per case and pass. A fourth sweep (``atomic``) times backward
-launches with no dQ kernel: the dK/dV kernel adds dQ with fp32 atomics (pointer or TMA reduce-adds).
-``--passes`` picks the sweeps. Every row also records ``err``, the relative
-error of its output (forward) or of its gradients (forward+backward) against the default launch's, so a
-fast but wrong variant shows. The winners belong in ``CONFIGS`` of ``kernels/tree_attention.py``.
+best forward) and every dQ config (with the best of both), over the research cases. A config is a
+``LaunchConfig(block_m, block_n, num_warps, num_stages, tma)``: each tile shape runs with pointer loads and
+with TMA tensor-descriptor loads (``tma=True``, sm_90+; ``--loads`` picks one), so one run compares the two
+load paths; a summary gives the best of each per case and pass. ``--passes`` picks the sweeps. Every row
+also records ``err``, the relative error of its output (forward) or of its gradients (forward+backward)
+against the default launch's, so a fast but wrong variant shows. The winners belong in ``TREE`` of
+``kernels/tuning.py``.
 """
 
 from __future__ import annotations
@@ -19,28 +18,26 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..kernels.tuning import LaunchConfig
 from ..trie import RolloutTrie
 from .harness import environment, print_table, time_ms, write_results
 from .tree import research_cases
 
-# Tile shapes per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages). Left out after the first H200 sweep
+# Tile shapes per kernel: (block_m, block_n, num_warps, num_stages). Left out after the first H200 sweep
 # (bench/results/tree-tune__*.json): shapes over the 227 KB shared-memory limit at head dim 128
-# (128x128 with 4 stages forward, 3 stages backward) and backward shapes 1.3-1.7x slower than the best.
+# (128x128 with 4 stages forward, 3 stages backward) and the slowest backward shapes.
 FWD_SHAPES = [(64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 32, 4, 3),
               (128, 32, 4, 4), (256, 64, 8, 3)]
 DKDV_SHAPES = [(128, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 3)]
 DQ_SHAPES = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (128, 32, 8, 3)]
-# dK/dV shapes that fit sm_90's shared memory with dQ added by atomics (the kernel then also holds a
-# [BLOCK_M, HEAD_DIM] fp32 dQ tile); compiled on a CPU with ptxas they spill at most 28 bytes at head dim 128
-ATOMIC_DKDV_SHAPES = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 4, 3)]
 LOADS = {"both": (False, True), "pointer": (False,), "tma": (True,)}
-PASSES = ("fwd", "dkdv", "dq", "atomic")
+PASSES = ("fwd", "dkdv", "dq")
 
 
-def candidates(shapes, loads: str = "both") -> list[tuple]:
-    """Every shape with each load path of ``loads``, as 5-field launch configs, pointer loads first (a
-    TMA launch that faulted would leave the CUDA context unusable for what follows)."""
-    return [(*shape, tma) for tma in LOADS[loads] for shape in shapes]
+def candidates(shapes, loads: str = "both") -> list[LaunchConfig]:
+    """Every shape with each load path of ``loads``, pointer loads first (a TMA launch that faulted would
+    leave the CUDA context unusable for what follows)."""
+    return [LaunchConfig(*shape, tma=tma) for tma in LOADS[loads] for shape in shapes]
 
 
 def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -49,19 +46,10 @@ def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
                for g, w in zip(got, want, strict=True))
 
 
-def atomic_candidates(shapes=None) -> list[tuple]:
-    """``(dkdv_config, dq_mode)`` pairs: every dK/dV shape with each atomic dQ mode. The dK/dV tiles load
-    through pointers whatever ``--loads`` says (with TMA loads these shapes spill hundreds of bytes)."""
-    from ..kernels.tree_attention import ATOMIC_DQ_MODES
-
-    return [((*shape, False), mode) for mode in ATOMIC_DQ_MODES for shape in shapes or ATOMIC_DKDV_SHAPES]
-
-
 def _sweep(name, configs, step, result, want, grad_to_none, flops, tma_ok, device) -> list[dict]:
     rows = []
     for cfg in configs:
-        atomic = isinstance(cfg[0], tuple)  # (dkdv launch, atomic dQ mode)
-        if (cfg[1] == "atomic-tma" if atomic else cfg[4]) and not tma_ok:
+        if cfg.tma and not tma_ok:
             rows.append({"case": name, "config": cfg, "error": "TMA not usable here (sm_90+, aligned rows)"})
             continue
         try:
@@ -82,10 +70,10 @@ def tune_case(case, heads: int, dim: int, loads: str = "both", device: str = "cu
               dtype: torch.dtype = torch.bfloat16, passes=PASSES) -> list[dict]:
     """Rows of one case; ``device`` / ``dtype`` other than the GPU's bf16 only for a CPU smoke run.
 
-    ``passes``: which sweeps run (the others use the default launches): ``fwd``, ``dkdv``, ``dq`` (the
-    dQ kernel's shapes) and ``atomic`` (dQ added by the dK/dV kernel, :func:`atomic_candidates`).
+    ``passes``: which sweeps run (the others use the default launches): ``fwd``, ``dkdv``, ``dq``.
     """
-    from ..kernels.tree_attention import tma_usable, triton_tree_attention
+    from ..kernels.attention_core import tma_usable
+    from ..kernels.tree_attention import triton_tree_attention
 
     passes = tuple(passes.split(",")) if isinstance(passes, str) else tuple(passes)
     unknown = set(passes) - set(PASSES)
@@ -130,20 +118,12 @@ def tune_case(case, heads: int, dim: int, loads: str = "both", device: str = "cu
         triton_tree_attention(q, k, v, pack, fwd_config=best["fwd"], dkdv_config=best["dkdv"],
                               dq_config=c).backward(do)
 
-    def with_atomic(c):
-        dkdv_config, dq_mode = c
-        triton_tree_attention(q, k, v, pack, fwd_config=best["fwd"], dkdv_config=dkdv_config,
-                              dq_config=dq_mode).backward(do)
-
     if "dkdv" in passes:
         best["dkdv"] = sweep("fwd+bwd, dkdv", candidates(DKDV_SHAPES, loads), with_dkdv,
                              lambda c: grads(with_dkdv, c), want_grads, [q, k, v], 3.5 * flops)
     if "dq" in passes:
         sweep("fwd+bwd, dq", candidates(DQ_SHAPES, loads), with_dq, lambda c: grads(with_dq, c), want_grads,
               [q, k, v], 3.5 * flops)
-    if "atomic" in passes:
-        sweep("fwd+bwd, atomic dq", atomic_candidates(), with_atomic, lambda c: grads(with_atomic, c),
-              want_grads, [q, k, v], 3.5 * flops)
     return rows
 
 
@@ -151,15 +131,19 @@ def load_path_summary(rows: list[dict]) -> list[dict]:
     """Per case and pass: the fastest pointer-load and TMA configs and TMA's speedup over pointers."""
     out = []
     for key in dict.fromkeys((r["case"], r["pass"]) for r in rows):
-        timed = [r for r in rows if (r["case"], r["pass"]) == key and "ms" in r and len(r["config"]) == 5]
-        best = {tma: min((r for r in timed if r["config"][4] == tma), key=lambda r: r["ms"], default=None)
+        timed = [r for r in rows if (r["case"], r["pass"]) == key and "ms" in r]
+        best = {tma: min((r for r in timed if r["config"].tma == tma), key=lambda r: r["ms"], default=None)
                 for tma in (False, True)}
         if best[False] is None or best[True] is None:
             continue
-        out.append({"case": key[0], "pass": key[1], "pointer": str(best[False]["config"][:4]),
-                    "pointer_ms": best[False]["ms"], "tma": str(best[True]["config"][:4]),
+        out.append({"case": key[0], "pass": key[1], "pointer": _shape(best[False]["config"]),
+                    "pointer_ms": best[False]["ms"], "tma": _shape(best[True]["config"]),
                     "tma_ms": best[True]["ms"], "tma_speedup": best[False]["ms"] / best[True]["ms"]})
     return out
+
+
+def _shape(config: LaunchConfig) -> str:
+    return str((config.block_m, config.block_n, config.num_warps, config.num_stages))
 
 
 def _passes(text: str) -> tuple[str, ...]:
@@ -194,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in tqdm(research_cases(), desc="tune", unit="case"):
         rows += tune_case(case, args.heads, args.dim, args.loads, passes=args.passes)
         listed, path = save()
-    columns = [("case", "case"), ("pass", "pass"), ("config", "(BM, BN, warps, stages, tma)"), ("ms", "ms"),
+    columns = [("case", "case"), ("pass", "pass"), ("config", "launch config"), ("ms", "ms"),
                ("tflops", "TFLOP/s"), ("err", "rel err"), ("error", "error")]
     print_table(f"tree kernel configs, {env['device']}", columns, listed)
     summary = load_path_summary(rows)

@@ -18,10 +18,11 @@ import functools
 
 import torch
 
-from .. import reference
 from ..patterns.dilated import DilatedPattern
+from ..reference.dilated import dilated_attention as reference_dilated_attention
 from ..reference.scan import gated_scan as reference_gated_scan
 from .backends import choose_backend
+from .flex import flex_attention
 from .validation import check_qkv, check_scale
 
 
@@ -47,27 +48,7 @@ def _dilated_block_mask(pattern: DilatedPattern, num_tokens: int, device: str):
 
 def flex_dilated_attention(q, k, v, pattern: DilatedPattern, *, scale=None):
     """FlexAttention with the dilated ``mask_mod``; the block mask is built once per (pattern, N, device)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from .flex_tree import _compiled_flex
-
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    batched = q.dim() == 4
-    qh, kh, vh = (x if batched else x[None] for x in (q, k, v))
-    qh, kh, vh = (x.transpose(1, 2) for x in (qh, kh, vh))  # [B, H, N, d]
-    block_mask = _dilated_block_mask(pattern, q.shape[-3], str(q.device))
-    out = fn(qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=q.shape[-2] != k.shape[-2])
-    out = out.transpose(1, 2)
-    return out if batched else out[0]
-
-
-def reference_dilated_attention(q, k, v, pattern: DilatedPattern, *, scale=None):
-    """``masked_attention`` with the dense mask of ``pattern`` (per batch row for 4-D inputs)."""
-    mask = pattern.dense_mask(q.shape[-3], device=q.device)
-    if q.dim() == 3:
-        return reference.masked_attention(q, k, v, mask, scale=scale)
-    rows = zip(q, k, v, strict=True)
-    return torch.stack([reference.masked_attention(a, b, c, mask, scale=scale) for a, b, c in rows])
+    return flex_attention(q, k, v, _dilated_block_mask(pattern, q.shape[-3], str(q.device)), scale=scale)
 
 
 def dilated_attention(

@@ -8,19 +8,8 @@ cached on the pack.
 
 from __future__ import annotations
 
-import functools
-
-import torch
-from einops import rearrange
-
 from ..patterns.tree import tree_mask_mod
-
-
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
+from .flex import flex_attention
 
 
 def tree_block_mask(pack):
@@ -44,16 +33,5 @@ def tree_block_mask(pack):
 
 
 def flex_tree_attention(q, k, v, pack, *, scale=None):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    qh, kh, vh = (rearrange(x, "t h d -> 1 h t d") for x in (q, k, v))
-    out = fn(
-        qh,
-        kh,
-        vh,
-        block_mask=tree_block_mask(pack),
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return rearrange(out, "1 h t d -> t h d")
+    """FlexAttention of packed ``q, k, v`` under the tree rule of ``pack``."""
+    return flex_attention(q, k, v, tree_block_mask(pack), scale=scale)

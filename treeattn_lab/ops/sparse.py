@@ -16,14 +16,12 @@ cached on the pattern: every layer reusing a pattern pays for them once.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from einops import rearrange
 
-from .. import reference
 from ..patterns.vertical_slash import VerticalSlashPattern
+from ..reference.sparse import sparse_attention as reference_sparse_attention
 from .backends import available_backends, choose_backend
+from .flex import flex_attention
 from .validation import check_qkv, check_scale
 
 
@@ -45,20 +43,7 @@ def check_pattern(pattern, q) -> None:
     pattern.check_tokens(q.shape[0])
 
 
-def reference_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale=None, return_lse=False):
-    """The definition: masked attention with the pattern's dense per-head mask (block rounding included)."""
-    mask = rearrange(pattern.dense_mask(q.shape[0]), "(hkv g) t s -> hkv g t s", hkv=k.shape[1])
-    return reference.masked_attention(q, k, v, mask, scale=scale, return_lse=return_lse)
-
-
 # ------------------------------------------------------------------------------------------ flex
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def flex_block_mask(pattern: VerticalSlashPattern, num_tokens: int):
     """The FlexAttention ``BlockMask`` of ``pattern`` over ``num_tokens`` (cached on the pattern).
 
@@ -98,13 +83,8 @@ def flex_block_mask(pattern: VerticalSlashPattern, num_tokens: int):
 
 
 def flex_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale=None):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    qh, kh, vh = (rearrange(x, "t h d -> 1 h t d") for x in (q, k, v))
-    out = fn(qh, kh, vh, block_mask=flex_block_mask(pattern, q.shape[0]), scale=scale,
-             enable_gqa=q.shape[1] != k.shape[1])
-    return rearrange(out, "1 h t d -> t h d")
+    """FlexAttention of ``q, k, v`` under ``pattern`` (its block mask built once, :func:`flex_block_mask`)."""
+    return flex_attention(q, k, v, flex_block_mask(pattern, q.shape[0]), scale=scale)
 
 
 # ------------------------------------------------------------------------------------------ entry point

@@ -1,0 +1,33 @@
+"""FlexAttention for every Flex backend (tree, sparse, dilated): compiled once on CUDA, eager elsewhere.
+
+Each backend builds its own ``BlockMask`` (which 128 x 128 blocks are empty, full or partial, plus the
+pattern's ``mask_mod``) and hands it here with the packed tensors. On CUDA the call goes through one
+``torch.compile``'d ``flex_attention`` (a fused kernel); on the CPU the eager implementation runs, which
+materializes the scores and has no backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention(q, k, v, block_mask, *, scale=None):
+    """FlexAttention of ``q [N, Hq, D]`` (or ``[B, N, Hq, D]``) over ``k, v`` with ``Hkv`` heads (grouped
+    query attention when ``Hq != Hkv``) under ``block_mask``; returns ``q``'s layout."""
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex
+
+    fn = _compiled_flex() if q.device.type == "cuda" else eager_flex
+    batched = q.dim() == 4
+    qh, kh, vh = ((x if batched else x[None]).transpose(1, 2) for x in (q, k, v))  # [B, H, N, D]
+    out = fn(qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=q.shape[-2] != k.shape[-2])
+    out = out.transpose(1, 2)
+    return out if batched else out[0]
