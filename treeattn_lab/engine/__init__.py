@@ -6,7 +6,8 @@
 - :func:`hf_tree_attention` (``hf_attention.py``): a Hugging Face model over a pack with tree attention.
 - ``adapters.py``: the model door (TinyLM, Hugging Face causal LMs); ``attention.py``: the attentions it
   hands the model; ``loss_plan.py``: the loss written once per tree token; ``lm_head.py``: the head by
-  chunks of rows; ``call_plan.py``: argument checks, micro-batches and modes of a call.
+  chunks of rows; ``call_plan.py``: argument checks, micro-batches and modes of a call;
+  ``rollout_terms.py``: objectives that are sums of per-rollout terms, trained in one pass.
 - ``microbatch.py``: dynamic micro-batching; ``modes.py`` and ``dfs.py``: flat, packed and DFS runs;
   ``cost_model.py``: predicted time and memory per mode, their fit and the ``"auto"`` choice;
   ``calibration.py``: the measurements it is fitted on; ``nnls.py``: the non-negative least squares solver.

@@ -199,14 +199,14 @@ def group_sibling_leaves(events, blocks: list[Block], block_tokens: int):
     return out
 
 
-def _leaf_batch(ids, positions, blocks: list[Block], group: list[int]):
+def _leaf_batch(ids, blocks: list[Block], group: list[int]):
     """Right-padded ``[rows, longest]`` token ids and positions of sibling leaf blocks."""
     lengths = [blocks[i].end - blocks[i].start for i in group]
     longest = max(lengths)
     batch_ids = ids.new_zeros(len(group), longest)
     for r, i in enumerate(group):
         batch_ids[r, : lengths[r]] = ids[blocks[i].start : blocks[i].end]
-    start = int(positions[blocks[group[0]].start])
+    start = blocks[group[0]].position
     batch_pos = (start + torch.arange(longest, device=ids.device)).expand(len(group), longest)
     return batch_ids, batch_pos, lengths
 
@@ -216,9 +216,9 @@ def _leaf_span(blocks: list[Block], group: list[int]) -> Block:
     return Block(first.start, last.end, first.position, first.parent, has_children=False)
 
 
-def _leaves_features(adapter, ids, pos, blocks, group, attention):
+def _leaves_features(adapter, ids, blocks, group, attention):
     """Features of a group of sibling leaves as the packed rows of their span, and the head."""
-    batch_ids, batch_pos, lengths = _leaf_batch(ids, pos, blocks, group)
+    batch_ids, batch_pos, lengths = _leaf_batch(ids, blocks, group)
     features, head = features_and_head(adapter, batch_ids, batch_pos, attention)
     return torch.cat([features[r, :n] for r, n in enumerate(lengths)]), head
 
@@ -287,7 +287,7 @@ def run_dfs(adapter, pack, plan, block_tokens: int, scores=None) -> dict:
         if event == "leaves":
             b = _leaf_span(blocks, group)
             run = BlockRun(state, b, with_grad=True)
-            features, head = _leaves_features(adapter, ids, pos, blocks, group, run)
+            features, head = _leaves_features(adapter, ids, blocks, group, run)
         else:
             run = BlockRun(state, b, with_grad=True)
             features, head = features_and_head(adapter, ids[None, rows], pos[None, rows], run)
@@ -334,7 +334,7 @@ def dfs_logprobs(adapter, pack, plan, block_tokens: int, *, entropy: bool = Fals
             features = features[0]
         else:
             b = _leaf_span(blocks, group)
-            features, head = _leaves_features(adapter, ids, pos, blocks, group, PrefixRead(state, b))
+            features, head = _leaves_features(adapter, ids, blocks, group, PrefixRead(state, b))
         entries, logp, ent = plan.logprobs(features, b.start, head, entropy=entropy)
         entry_logp[entries] = logp
         if entropy:

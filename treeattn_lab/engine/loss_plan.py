@@ -18,7 +18,7 @@ It also remembers which entry each (rollout, t) pair used, to give per-rollout l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,14 @@ class LossPlan:
     seq_entry: torch.Tensor  # [F] int64: entry of every (rollout i, t >= 1) pair, rollouts concatenated
     seq_weight: torch.Tensor  # [F] float64: w_i[t] for those pairs
     seq_offsets: torch.Tensor  # [B + 1] int64: rollout i owns seq_entry[seq_offsets[i]:seq_offsets[i + 1]]
+    # copies of the fields on the model's device, made once: a copy per block would stall the GPU each time
+    on_device: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def device_copy(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, str(device))
+        if key not in self.on_device:
+            self.on_device[key] = getattr(self, name).to(device)
+        return self.on_device[key]
 
     @classmethod
     def from_pack(cls, pack, token_weights=None) -> LossPlan:
@@ -76,8 +84,8 @@ class LossPlan:
         ``head`` maps feature rows to logits; :func:`treeattn_lab.engine.lm_head.token_logprobs` runs it by
         chunks of rows."""
         entries = self.entries_in(start, start + features.shape[0])
-        rows = (self.position[entries] - start).to(features.device)
-        targets = self.target[entries].to(features.device)
+        rows = self.device_copy("position", features.device)[entries] - start
+        targets = self.device_copy("target", features.device)[entries]
         logp, ent = token_logprobs(head, features[rows], targets, entropy=entropy)
         return entries, logp, ent
 
@@ -87,7 +95,7 @@ class LossPlan:
         entries, logp, _ = self.logprobs(features, start, head)
         if entries.start == entries.stop:
             return None, logp.detach()
-        loss = -(self.weight[entries].to(features.device, logp.dtype) * logp).sum()
+        loss = -(self.device_copy("weight", features.device)[entries].to(logp.dtype) * logp).sum()
         return loss, logp.detach()
 
     def sequence_values(self, entry_values: torch.Tensor) -> list[torch.Tensor]:
@@ -95,7 +103,7 @@ class LossPlan:
 
         Differentiable: gradients flow back to ``entry_values``.
         """
-        pairs = entry_values[self.seq_entry.to(entry_values.device)]
+        pairs = entry_values[self.device_copy("seq_entry", entry_values.device)]
         return list(pairs.split(self.seq_offsets.diff().tolist()))
 
     def sequence_losses(self, entry_logp: torch.Tensor) -> torch.Tensor:

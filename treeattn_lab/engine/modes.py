@@ -102,7 +102,7 @@ def run_packed(adapter, micro_batch, weights, *, backend: str = "auto") -> dict:
     pack = micro_batch.trie.pack().to(adapter.device)
     plan = LossPlan.from_pack(pack, weights)
     entry_logp, _ = packed_token_logprobs(adapter, pack, plan, backend=backend)
-    loss = -(plan.weight.to(entry_logp.device, entry_logp.dtype) * entry_logp).sum()
+    loss = -(plan.device_copy("weight", entry_logp.device).to(entry_logp.dtype) * entry_logp).sum()
     if loss.requires_grad:  # no trainable parameter: nothing to send back
         loss.backward()
     entry_logp = entry_logp.detach()

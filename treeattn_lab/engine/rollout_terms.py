@@ -57,9 +57,10 @@ class TermScores:
             plan.num_entries, dtype=torch.promote_types(dtype, torch.float64), device=device
         )
         offsets = plan.seq_offsets.tolist()
-        self.entries = [plan.seq_entry[offsets[r] : offsets[r + 1]] for r in range(len(self.rollouts))]
+        cpu_entries = [plan.seq_entry[offsets[r] : offsets[r + 1]] for r in range(len(self.rollouts))]
+        self.entries = list(plan.device_copy("seq_entry", device).split(plan.seq_offsets.diff().tolist()))
         # a rollout is complete once the block holding its last entry has run (-1: nothing to predict)
-        last = [int(e.max()) if e.numel() else -1 for e in self.entries]
+        last = [int(e.max()) if e.numel() else -1 for e in cpu_entries]
         self.by_last = sorted(range(len(last)), key=lambda r: last[r])
         self.last = torch.tensor(sorted(last), dtype=torch.int64)
         self.value = torch.zeros((), dtype=dtype, device=device)
@@ -78,7 +79,7 @@ class TermScores:
         """The terms of ``rollouts`` as one scalar. Their recorded entries enter as a leaf whose gradient
         goes to ``weight`` once the returned scalar is backpropagated (:meth:`collect`); entries in
         ``entries`` come from ``logp_span`` (differentiable) when it is given."""
-        idx = [self.entries[r].to(self.recorded.device) for r in rollouts]
+        idx = [self.entries[r] for r in rollouts]
         flat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64, device=self.recorded.device)
         self._leaf = self.recorded[flat].detach().requires_grad_(True)
         self._leaf_index = flat
@@ -127,9 +128,9 @@ class TermScores:
             self.collect()
 
 
-def _send_back(total) -> torch.Tensor:
+def _send_back(total) -> torch.Tensor | float:
     if total is None:
-        return torch.zeros(())
+        return 0.0
     if total.requires_grad:
         total.backward()
     return total.detach()
@@ -153,12 +154,12 @@ def _micro_batch(adapter, objective, mb, mode, *, block_tokens, token_budget, ba
     if mode == "packed":
         entry_logp, _ = packed_token_logprobs(adapter, pack, plan, backend=backend)
         logps = plan.sequence_values(entry_logp)
-        value = _send_back(terms_value(objective, rollouts, logps)).cpu()
+        value = _send_back(terms_value(objective, rollouts, logps))
         return [lp.detach() for lp in logps], value, 0
     dtype = torch.promote_types(adapter.dtype, torch.float32)
     scores = TermScores(objective, plan, rollouts, adapter.device, dtype)
     out = run_dfs(adapter, pack, plan, block_tokens, scores)
-    return plan.sequence_values(out["entry_logp"]), scores.value.cpu(), out["no_grad_tokens"]
+    return plan.sequence_values(out["entry_logp"]), scores.value, out["no_grad_tokens"]
 
 
 def run_per_rollout(plan, objective, logps: list, phase: dict, **settings) -> float:

@@ -130,7 +130,8 @@ class GRPOOptions:
 
 
 def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOptions):
-    """``L_it`` of the module docstring for flattened rollouts (``owner``: each token's rollout).
+    """``L_it`` of the module docstring for flattened rollouts: ``adv`` per token, ``owner`` each
+    token's rollout.
 
     ``old`` None: the current policy (``old = logp`` detached: ratio 1, gradient of the log-prob). Off the
     mask, old and reference log-probs are replaced by the current ones, so values there never matter
@@ -144,7 +145,7 @@ def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOption
         counts = logp.new_zeros(rollouts).index_add(0, owner, mask).clamp(min=1.0)
         log_ratio = (logp.new_zeros(rollouts).index_add(0, owner, log_ratio * mask) / counts)[owner]
     ratio = torch.exp(log_ratio)
-    per_token = _clipped(ratio, adv[owner], o.epsilon_low, o.epsilon_high)
+    per_token = _clipped(ratio, adv, o.epsilon_low, o.epsilon_high)
     if o.beta:
         kl = k3_kl(logp, torch.where(counted, ref, current))
         per_token = per_token + o.beta * (kl * ratio if o.kl_importance_weight else kl)
@@ -161,43 +162,63 @@ class GRPOObjective:
         self.options = o = GRPOOptions(**options)
         if o.beta and ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps (the reference policy's log-probs)")
-        lengths = [m.numel() for m in masks]
-        like = torch.zeros(0, dtype=torch.float64)
-        self.lengths = lengths
-        self.old = (
-            None
-            if old_logps is None
-            else list(_flatten("old_logps", old_logps, lengths, like).split(lengths))
-        )
-        self.ref = list(_flatten("ref_logps", ref_logps, lengths, like).split(lengths)) if o.beta else None
-        self.masks = list(
-            _flatten("masks", [m.to(torch.float64) for m in masks], lengths, like).split(lengths)
-        )
-        self.advantages = advantages.detach().to(torch.float64)
-        if self.advantages.shape != (len(lengths),):
-            raise ValueError(
-                f"advantages must have shape [{len(lengths)}], got {tuple(self.advantages.shape)}"
-            )
-        counts = [float(m.sum()) for m in self.masks]
-        G = len(lengths)
+        self.lengths = lengths = [m.numel() for m in masks]
+        G, like = len(lengths), torch.zeros(0, dtype=torch.float64)
+        advantages = advantages.detach().to(torch.float64)
+        if advantages.shape != (G,):
+            raise ValueError(f"advantages must have shape [{G}], got {tuple(advantages.shape)}")
+        mask = _flatten("masks", [m.to(torch.float64) for m in masks], lengths, like)
+        counts = [float(m.sum()) for m in mask.split(lengths)]
         if o.loss_type == "grpo":
-            self.denominators = [G * max(1.0, c) for c in counts]
+            denominators = [G * max(1.0, c) for c in counts]
         elif o.loss_type == "dr_grpo":
-            self.denominators = [float(G * o.max_completion_length)] * G
+            denominators = [float(G * o.max_completion_length)] * G
         else:
-            self.denominators = [max(1.0, sum(counts))] * G
+            denominators = [max(1.0, sum(counts))] * G
+        owner = torch.repeat_interleave(torch.arange(G), torch.tensor(lengths, dtype=torch.int64))
+        # per token, rollouts concatenated (float64, CPU); moved to a device once (see _on)
+        self.flat = {
+            "old": None if old_logps is None else _flatten("old_logps", old_logps, lengths, like),
+            "ref": _flatten("ref_logps", ref_logps, lengths, like) if o.beta else None,
+            "mask": mask,
+            "advantage": advantages[owner],
+            "weight": mask / torch.tensor(denominators, dtype=torch.float64)[owner],
+        }
+        self._cache: dict = {}
 
-    def rollout_term(self, i: int, logp: torch.Tensor) -> torch.Tensor:
+    def _on(self, device, dtype) -> dict:
+        """``self.flat`` on ``device`` in ``dtype``, whole (``"flat"``) and split per rollout."""
+        key = (str(device), dtype)
+        if key not in self._cache:
+            whole = {k: None if v is None else v.to(device, dtype) for k, v in self.flat.items()}
+            split = {k: None if v is None else v.split(self.lengths) for k, v in whole.items()}
+            self._cache[key] = {"flat": whole, "split": split}
+        return self._cache[key]
+
+    def _check(self, i: int, logp: torch.Tensor) -> None:
         if logp.shape != (self.lengths[i],):
             raise ValueError(f"logps[{i}] must have shape [{self.lengths[i]}], got {tuple(logp.shape)}")
-        to = {"device": logp.device, "dtype": logp.dtype}
-        mask = self.masks[i].to(**to)
-        ref = None if self.ref is None else self.ref[i].to(**to)
+
+    def _loss(self, logp, values, owner, rollouts: int):
+        per_token = _token_losses(
+            logp,
+            values["old"],
+            values["ref"],
+            values["advantage"],
+            values["mask"],
+            owner,
+            rollouts,
+            self.options,
+        )
+        return (per_token * values["weight"]).sum()
+
+    def rollout_term(self, i: int, logp: torch.Tensor) -> torch.Tensor:
+        self._check(i, logp)
+        values = {
+            k: None if v is None else v[i] for k, v in self._on(logp.device, logp.dtype)["split"].items()
+        }
         owner = torch.zeros(logp.numel(), dtype=torch.int64, device=logp.device)
-        adv = self.advantages[i : i + 1].to(**to)
-        old = None if self.old is None else self.old[i].to(**to)
-        per_token = _token_losses(logp, old, ref, adv, mask, owner, 1, self.options)
-        return (per_token * mask).sum() / self.denominators[i]
+        return self._loss(logp, values, owner, 1)
 
     def __call__(self, logps: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(logps) != len(self.lengths):
@@ -205,28 +226,11 @@ class GRPOObjective:
                 f"got log-probs of {len(logps)} rollouts for an objective of {len(self.lengths)}"
             )
         for i, lp in enumerate(logps):
-            if lp.shape != (self.lengths[i],):
-                raise ValueError(f"logps[{i}] must have shape [{self.lengths[i]}], got {tuple(lp.shape)}")
+            self._check(i, lp)
         logp = torch.cat(list(logps))
-        to = {"device": logp.device, "dtype": logp.dtype}
-        owner = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths)).to(
-            logp.device
-        )
-        ref = None if self.ref is None else torch.cat(self.ref).to(**to)
-        mask = torch.cat(self.masks).to(**to)
-        old = None if self.old is None else torch.cat(self.old).to(**to)
-        per_token = _token_losses(
-            logp,
-            old,
-            ref,
-            self.advantages.to(**to),
-            mask,
-            owner,
-            len(self.lengths),
-            self.options,
-        )
-        denominators = torch.tensor(self.denominators, **to)[owner]
-        return (per_token * mask / denominators).sum()
+        values = self._on(logp.device, logp.dtype)["flat"]
+        owner = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths))
+        return self._loss(logp, values, owner.to(logp.device), len(self.lengths))
 
 
 def grpo_objective(old_logps, advantages, masks, **options) -> GRPOObjective:
