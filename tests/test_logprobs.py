@@ -91,6 +91,21 @@ def test_dfs_holds_one_block_of_logits_and_packed_the_head_chunk(monkeypatch):
     assert max(rows_seen) == 3 + 10  # the prompt's last block: 3 entries inside it, 10 for its children
 
 
+def test_dfs_logprob_pass_holds_the_path_keys_and_values_only():
+    from treeattn_lab.engine.adapters import adapt
+    from treeattn_lab.engine.dfs import dfs_logprobs, run_dfs
+    from treeattn_lab.engine.loss_plan import LossPlan
+
+    model = tiny_lm()
+    pack = RolloutTrie.from_sequences(CASES[1]).pack()
+    plan = LossPlan.from_pack(pack)
+    out = dfs_logprobs(adapt(model), pack, plan, 4)
+    cfg = model.cfg
+    kv = 2 * cfg.n_layers * int(pack.seq_lengths.max()) * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * 8
+    assert out["path_bytes"] == kv  # float64 K and V of the longest path, no gradient buffers
+    assert run_dfs(adapt(model), pack, plan, 4)["path_bytes"] == 2 * kv  # training keeps fp64 grads beside
+
+
 def test_inputs_untouched_and_bad_arguments_refused():
     trie = RolloutTrie.from_sequences(CASES[0])
     before = trie.to_dict()

@@ -84,10 +84,11 @@ def visit_order(blocks: list[Block]) -> list[tuple[str, int]]:
 
 
 class PathState:
-    """Per-layer K/V of the active path and fp32 gradient buffers beside them, indexed by position."""
+    """Per-layer K/V of the active path and fp32 gradient buffers beside them, indexed by position
+    (``with_grads=False``: no gradient buffers, for a pass without autograd)."""
 
-    def __init__(self, num_layers: int, max_len: int):
-        self.num_layers, self.max_len = num_layers, max_len
+    def __init__(self, num_layers: int, max_len: int, with_grads: bool = True):
+        self.num_layers, self.max_len, self.with_grads = num_layers, max_len, with_grads
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.grad_k: list[torch.Tensor | None] = [None] * num_layers
@@ -98,6 +99,8 @@ class PathState:
             shape = (self.max_len, *like.shape[2:])  # [positions, Hkv, D]
             self.k[layer] = like.new_empty(shape)
             self.v[layer] = like.new_empty(shape)
+            if not self.with_grads:
+                return
             accumulate = torch.promote_types(like.dtype, torch.float32)  # fp32, or fp64 for fp64 models
             self.grad_k[layer] = like.new_zeros(shape, dtype=accumulate)
             self.grad_v[layer] = like.new_zeros(shape, dtype=accumulate)
@@ -313,10 +316,10 @@ def dfs_logprobs(adapter, pack, plan, block_tokens: int, *, entropy: bool = Fals
 
     Every block runs once: a block with children is pushed (its K/V stored on the path), sibling leaves
     run as one batch that reads the path. Memory: one block plus the path's K/V.
-    ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens"}``.
+    ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens", "path_bytes"}``.
     """
     blocks = split_blocks(pack, block_tokens)
-    state = PathState(adapter.num_layers, int(pack.seq_lengths.max()))
+    state = PathState(adapter.num_layers, int(pack.seq_lengths.max()), with_grads=False)
     entry_logp = _entry_logps(plan, adapter, pack)
     entry_entropy = torch.zeros_like(entry_logp) if entropy else None
     ids, pos = pack.input_ids, pack.position_ids
@@ -339,4 +342,9 @@ def dfs_logprobs(adapter, pack, plan, block_tokens: int, *, entropy: bool = Fals
         entry_logp[entries] = logp
         if entropy:
             entry_entropy[entries] = ent
-    return {"entry_logp": entry_logp, "entry_entropy": entry_entropy, "no_grad_tokens": pack.num_tokens}
+    return {
+        "entry_logp": entry_logp,
+        "entry_entropy": entry_entropy,
+        "no_grad_tokens": pack.num_tokens,
+        "path_bytes": state.nbytes(),
+    }
