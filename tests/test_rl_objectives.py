@@ -137,7 +137,9 @@ def test_bad_arguments_are_refused():
 
 
 # ---------------------------------------------------------------------------------------- against TRL
-def trl_loss(b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_completion_length, on_policy=False):
+def trl_loss(
+    b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_completion_length, on_policy, kl_weight
+):
     """TRL's own GRPOTrainer._compute_loss on the batch; returns (loss, per-token log-probs leaf)."""
     trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
     B, P, C = len(b["logps"]), b["prompt"], max(b["completion"])
@@ -157,7 +159,7 @@ def trl_loss(b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_comple
         off_policy_mask_threshold=None,
         importance_sampling_level=level,
         beta=beta,
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        args=types.SimpleNamespace(use_bias_correction_kl=kl_weight, delta=None, steps_per_generation=1),
         loss_type=loss_type,
         epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,
@@ -181,14 +183,15 @@ def trl_loss(b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_comple
         "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum(),
     }
-    return trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs), leaf
+    loss = trl_grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
+    return loss, leaf, {k: v[0] for k, v in trainer._metrics["train"].items()}
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize(("beta", "kl_weight"), [(0.0, False), (0.04, False), (0.04, True)])
 @pytest.mark.parametrize("on_policy", [False, True])
-def test_grpo_loss_and_gradients_equal_trl(loss_type, level, beta, on_policy):
+def test_grpo_loss_and_gradients_equal_trl(loss_type, level, beta, kl_weight, on_policy):
     b = ragged_batch(3 + int(beta * 100))
     P = b["prompt"]
     for o, r in zip(b["old"], b["ref"], strict=True):  # values off the mask never matter, not even these
@@ -196,7 +199,9 @@ def test_grpo_loss_and_gradients_equal_trl(loss_type, level, beta, on_policy):
     options = dict(
         beta=beta, epsilon_low=0.2, epsilon_high=0.28, max_completion_length=max(b["completion"]) + 2
     )
-    want, leaf = trl_loss(b, loss_type=loss_type, level=level, on_policy=on_policy, **options)
+    want, leaf, trl_metrics = trl_loss(
+        b, loss_type=loss_type, level=level, on_policy=on_policy, kl_weight=kl_weight, **options
+    )
     want.backward()
     leaves = [lp.clone().requires_grad_(True) for lp in b["logps"]]
     objective = grpo_objective(
@@ -206,11 +211,16 @@ def test_grpo_loss_and_gradients_equal_trl(loss_type, level, beta, on_policy):
         ref_logps=b["ref"] if beta else None,
         loss_type=loss_type,
         importance_sampling=level,
+        kl_importance_weight=kl_weight,
         **options,
     )
     got = objective(leaves)
     got.backward()
     assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)
+    metrics = objective.metrics(b["logps"])
+    assert set(metrics) == {k for k in trl_metrics if k.startswith(("kl", "clip_ratio"))}
+    for key, value in metrics.items():  # what TRL logs, from the same log-probs
+        assert value == pytest.approx(trl_metrics[key], rel=1e-6, abs=1e-9), key
     terms = sum(objective.rollout_term(i, lp.detach()) for i, lp in enumerate(b["logps"]))
     assert terms.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)  # the per-rollout form agrees
     for i, c in enumerate(b["completion"]):

@@ -94,8 +94,8 @@ def train(cls, model_dir, tmp_path, *, loss_type, num_iterations, **tree):
         **tree,
     )
     trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, grab.grads
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return logged, grab.grads
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +127,8 @@ def stock_runs(model_dir, tmp_path_factory):
 def test_tree_trainer_matches_the_stock_trainer(
     model_dir, stock_runs, tmp_path, tree_mode, loss_type, num_iterations
 ):
-    want_losses, want_grads = stock_runs(loss_type, num_iterations)
-    losses, grads = train(
+    want_logs, want_grads = stock_runs(loss_type, num_iterations)
+    logs, grads = train(
         TreeGRPOTrainer,
         model_dir,
         tmp_path,
@@ -137,8 +137,10 @@ def test_tree_trainer_matches_the_stock_trainer(
         tree_mode=tree_mode,
         block_tokens=3,
     )
-    assert len(losses) == len(want_losses) == 3
-    assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert len(logs) == len(want_logs) == 3
+    for got, want in zip(logs, want_logs, strict=True):  # every step's loss and TRL's loss metrics
+        for key in [k for k in want if k == "loss" or k.startswith(("kl", "clip_ratio", "reward"))]:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert grads.keys() == want_grads.keys()
     total = torch.sqrt(sum(g.double().pow(2).sum() for g in want_grads.values()))
     for name, want in want_grads.items():

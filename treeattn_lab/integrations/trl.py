@@ -18,6 +18,8 @@ rewards, advantages, logging, the optimizer):
   ``epsilon``/``epsilon_high``, ``beta`` with the k3 KL, token or sequence importance sampling, and
   TRL's normalisation for gradient accumulation) fills ``.grad`` exactly as the stock trainer's
   backward would. The loss returned to ``Trainer`` carries the same value and no gradient of its own.
+  TRL's ``kl`` and ``clip_ratio/*`` metrics are logged (from this process's batch); ``entropy`` is not
+  (the training pass computes no entropies).
 
 What the tree cannot reproduce is refused when the trainer is built: other loss types, entropy masks or
 bonuses, off-policy masks, vLLM importance-sampling corrections, sampling temperatures other than 1
@@ -209,6 +211,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         result = tree_backward(
             self.accelerator.unwrap_model(model), trie, objective=scaled, **self.tree_options
         )
+        mode = "train" if self.model.training else "eval"
+        for key, value in objective.metrics(result.logps).items():  # TRL's, but this process's only
+            self._metrics[mode][key].append(value)
         anchor = next(p for p in model.parameters() if p.requires_grad)
         value = torch.tensor(result.loss, device=anchor.device, dtype=torch.float32)
         return _Done.apply(value, anchor)

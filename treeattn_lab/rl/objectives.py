@@ -129,9 +129,9 @@ class GRPOOptions:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
 
 
-def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOptions):
-    """``L_it`` of the module docstring for flattened rollouts: ``adv`` per token, ``owner`` each
-    token's rollout.
+def _token_terms(logp, old, ref, mask, owner, rollouts: int, o: GRPOOptions):
+    """``(ratio, kl)`` per token for flattened rollouts (``owner``: each token's rollout; ``kl`` None
+    without ``beta``), the KL already importance-weighted when ``kl_importance_weight``.
 
     ``old`` None: the current policy (``old = logp`` detached: ratio 1, gradient of the log-prob). Off the
     mask, old and reference log-probs are replaced by the current ones, so values there never matter
@@ -145,11 +145,17 @@ def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOption
         counts = logp.new_zeros(rollouts).index_add(0, owner, mask).clamp(min=1.0)
         log_ratio = (logp.new_zeros(rollouts).index_add(0, owner, log_ratio * mask) / counts)[owner]
     ratio = torch.exp(log_ratio)
+    if not o.beta:
+        return ratio, None
+    kl = k3_kl(logp, torch.where(counted, ref, current))
+    return ratio, (kl * ratio if o.kl_importance_weight else kl)
+
+
+def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOptions):
+    """``L_it`` of the module docstring for flattened rollouts, ``adv`` per token (:func:`_token_terms`)."""
+    ratio, kl = _token_terms(logp, old, ref, mask, owner, rollouts, o)
     per_token = _clipped(ratio, adv, o.epsilon_low, o.epsilon_high)
-    if o.beta:
-        kl = k3_kl(logp, torch.where(counted, ref, current))
-        per_token = per_token + o.beta * (kl * ratio if o.kl_importance_weight else kl)
-    return per_token
+    return per_token if kl is None else per_token + o.beta * kl
 
 
 class GRPOObjective:
@@ -219,6 +225,35 @@ class GRPOObjective:
         }
         owner = torch.zeros(logp.numel(), dtype=torch.int64, device=logp.device)
         return self._loss(logp, values, owner, 1)
+
+    @torch.no_grad()
+    def metrics(self, logps: Sequence[torch.Tensor]) -> dict[str, float]:
+        """TRL's logged statistics of the loss at ``logps``: the masked mean of the (weighted) k3 KL
+        (with ``beta``), and the fraction of counted tokens clipped below (``ratio < 1 - eps_low`` with
+        a negative advantage), above (``ratio > 1 + eps_high``, positive advantage) or either; with
+        sequence-level ratios the fractions are over rollouts. ``low_min`` / ``high_max``: the extreme
+        per-rollout fractions."""
+        logp = torch.cat([lp.detach().to("cpu", torch.float64) for lp in logps])
+        v = self.flat
+        G, o = len(self.lengths), self.options
+        owner = torch.repeat_interleave(torch.arange(G), torch.tensor(self.lengths))
+        ratio, kl = _token_terms(logp, v["old"], v["ref"], v["mask"], owner, G, o)
+        high = o.epsilon_low if o.epsilon_high is None else o.epsilon_high
+        adv, mask = v["advantage"], v["mask"]
+        flags = {"low": (ratio < 1 - o.epsilon_low) & (adv < 0), "high": (ratio > 1 + high) & (adv > 0)}
+        flags["region"] = flags["low"] | flags["high"]
+        counts = torch.zeros(G, dtype=torch.float64).index_add(0, owner, mask)
+        out = {} if kl is None else {"kl": float((kl * mask).sum() / mask.sum().clamp(min=1.0))}
+        per_rollout = {}
+        for name, flag in flags.items():
+            per_rollout[name] = torch.zeros(G, dtype=torch.float64).index_add(0, owner, flag * mask) / counts
+            if o.importance_sampling == "sequence":
+                out[f"clip_ratio/{name}_mean"] = float(per_rollout[name].nanmean())
+            else:
+                out[f"clip_ratio/{name}_mean"] = float((flag * mask).sum() / mask.sum().clamp(min=1.0))
+        out["clip_ratio/low_min"] = float(per_rollout["low"][~per_rollout["low"].isnan()].min())
+        out["clip_ratio/high_max"] = float(per_rollout["high"][~per_rollout["high"].isnan()].max())
+        return out
 
     def __call__(self, logps: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(logps) != len(self.lengths):
