@@ -178,6 +178,19 @@ def test_flex_backend_matches_reference():
     assert relative_error(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["reference", "flex", "triton"])
+@pytest.mark.parametrize("lead", [(), (2,)])
+def test_no_tokens_give_an_empty_output_on_every_backend(backend, lead):
+    q, k, v = (torch.randn(*lead, 0, h, 16, requires_grad=True) for h in (2, 1, 1))
+    dev = DEVICE if backend == "triton" else "cpu"
+    leaves = [x.detach().to(dev).requires_grad_() for x in (q, k, v)]
+    out = dilated_attention(*leaves, dilation=4, window=2, initial=1, backend=backend)
+    assert out.shape == (*lead, 0, 2, 16) and out.dtype == q.dtype
+    if backend != "triton":  # the kernels' autograd on zero tokens: nothing to launch
+        out.sum().backward()
+        assert all(x.grad is not None and x.grad.shape == x.shape for x in leaves)
+
+
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [

@@ -1,9 +1,13 @@
 """What this machine can run: CUDA or not, Triton compiled or interpreted.
 
 Triton kernels run compiled on a CUDA GPU. Without one, they run under Triton's interpreter, which
-must be switched on through ``TRITON_INTERPRET=1`` *before* any kernel module is imported (``triton.jit``
-reads it when a kernel is defined). Importing :mod:`treeattn_lab` calls :func:`configure_triton` so
-notebooks and tests on a laptop get the interpreter without thinking about it.
+is switched on through ``TRITON_INTERPRET=1``. ``triton.jit`` reads the variable when a function is
+*defined*: a kernel defined before it was set is a compiled kernel, which the interpreter cannot call.
+That holds for Triton's own library too: ``triton.language`` defines ``tl.cdiv``, ``tl.max``, ``tl.sum``,
+... with ``triton.jit`` when ``triton`` is first imported. Importing :mod:`treeattn_lab` calls
+:func:`configure_triton`, which sets the variable before any kernel module of the lab is imported and,
+when ``triton`` was imported earlier without it (``transformers`` and ``torch.compile`` import it),
+defines ``triton.language``'s functions again under the interpreter, so the import order does not matter.
 """
 
 from __future__ import annotations
@@ -22,9 +26,37 @@ def cuda_available() -> bool:
 
 
 def configure_triton() -> None:
-    """Switch Triton to its interpreter when no CUDA device exists (unless the user chose already)."""
+    """Switch Triton to its interpreter when no CUDA device exists (unless the user chose already), and
+    make the interpreter work even if ``triton`` was imported before (:func:`reinterpret_triton_language`)."""
     if "TRITON_INTERPRET" not in os.environ and not cuda_available():
         os.environ["TRITON_INTERPRET"] = "1"
+    if triton_interpreted() and "triton.language" in sys.modules:
+        reinterpret_triton_language()
+
+
+def _compiled_jit_functions(module) -> bool:
+    """Whether ``module`` holds ``triton.jit`` functions defined for compilation (not the interpreter)."""
+    from triton.runtime.jit import JITFunction
+
+    return any(isinstance(value, JITFunction) for value in vars(module).values())
+
+
+def reinterpret_triton_language() -> list[str]:
+    """Define ``triton.language``'s own jit functions again, now for the interpreter, if ``triton`` was
+    imported before ``TRITON_INTERPRET`` was set; returns the modules re-run (none when nothing was stale).
+
+    Triton's library modules (``triton.language.standard``, ``.random``, ...) are re-executed in place,
+    then ``triton.language`` itself, which re-exports their functions; every other module keeps its
+    objects, so ``tl.tensor``, dtypes and descriptors stay the ones already in use.
+    """
+    import importlib
+
+    stale = sorted(name for name, module in list(sys.modules.items()) if module is not None
+                   and name.startswith("triton.language") and _compiled_jit_functions(module))
+    package = "triton.language"
+    for name in [n for n in stale if n != package] + ([package] if package in stale else []):
+        importlib.reload(sys.modules[name])
+    return stale
 
 
 def link_source_kernels() -> None:

@@ -48,7 +48,10 @@ def _dilated_block_mask(pattern: DilatedPattern, num_tokens: int, device: str):
 
 def flex_dilated_attention(q, k, v, pattern: DilatedPattern, *, scale=None):
     """FlexAttention with the dilated ``mask_mod``; the block mask is built once per (pattern, N, device)."""
-    return flex_attention(q, k, v, _dilated_block_mask(pattern, q.shape[-3], str(q.device)), scale=scale)
+    def block_mask():
+        return _dilated_block_mask(pattern, q.shape[-3], str(q.device))
+
+    return flex_attention(q, k, v, block_mask, scale=scale)
 
 
 def dilated_attention(
@@ -68,7 +71,8 @@ def dilated_attention(
     ``(p + 1) % dilation == 0`` and ``p < t - window``): the RAT+ inference pattern ``(D, W, P)``
     (``treeattn_lab.patterns.dilated``). ``dilation=1`` is causal attention. ``Hq`` must be a multiple of
     ``Hkv`` (grouped-query attention); ``scale`` defaults to ``1 / sqrt(d)``. Differentiable in q, k, v
-    (the flex backend only on CUDA).
+    (the flex backend only on CUDA). A ``nan`` / ``inf`` in k or v reaches every row that sees its token
+    and, depending on the backend, rows that do not (:mod:`treeattn_lab.ops`).
     """
     pattern = DilatedPattern(dilation, window, initial)
     _check_batched_qkv(q, k, v)

@@ -4,9 +4,8 @@ Why
 ---
 Tree attention saves the (query, key) pairs that flat attention repeats on shared prefixes; the saving
 is the *ideal ratio* ``flat pairs / tree pairs``. A tree kernel pays for it with a lower speed per pair
-than FlashAttention (on an H200 the lab's Triton kernel runs 0.68-0.79x flash's useful TFLOP/s
-forward+backward on the research cases), so when the ratio is close to 1 the tree is slower than simply
-running every rollout flat. This backend does exactly that, from the packed layout, with exact results
+than FlashAttention, so when the ratio is close to 1 the tree is slower than simply running every
+rollout flat. This backend does exactly that, from the packed layout, with exact results
 and gradients.
 
 How
@@ -60,18 +59,13 @@ __all__ = [
 ]
 
 # ``backend="auto"`` runs a pack flat on CUDA when :func:`flat_pair_ratio` (the pairs the padded flat
-# batches compute / the pairs the tree attends) is below this. Measured on an H200 (bench/results/
-# tree__NVIDIA-H200__*.json, bf16, 16 heads x 128, forward + backward), the Triton kernel's time per tree
-# pair over the gathered-flat backend's time per padded pair is 1.12 on the low-sharing case (31.0 vs
-# 27.9 ms at ratio 1.01) and 1.06 on data:low_sharing (19.7 vs 19.5 ms at 1.05): flat wins below about
-# 1.1. Above it the kernel won every case: data:grpo_math (padded ratio 1.21: 7.9 vs 10.4 ms; its
-# rollout ratio, 1.09, had sent it flat before the padding was counted), data:tree_search (1.32), the
-# sharing cases (1.71-3.67) and data:agentic (2.44). Re-derive from the "gather-flat" and "triton" rows
-# of ``python -m treeattn_lab bench tree``.
+# batches compute / the pairs the tree attends) is below this: the ratio of the Triton kernel's time per
+# tree pair to the gathered-flat backend's time per padded pair, chosen by bench/results/tree__NVIDIA-H200__
+# torch-2.11.0-cu130__triton-3.6.0.json (the "gather-flat" and "triton" rows of ``bench tree``).
 FLAT_BELOW_PAIR_RATIO = 1.10
 
 # Fixed cost of one more bucket (launches of gathers, attention and scatters, forward and backward),
-# in attended pairs: about 30 us at 450 TFLOP/s with 16 heads x 128 (3.5 x 4 x 2048 flop per pair).
+# in attended pairs: the pairs a GPU attends in the time of those launches.
 BUCKET_OVERHEAD_PAIRS = 1 << 19
 
 

@@ -22,9 +22,16 @@ def _compiled_flex():
 
 def flex_attention(q, k, v, block_mask, *, scale=None):
     """FlexAttention of ``q [N, Hq, D]`` (or ``[B, N, Hq, D]``) over ``k, v`` with ``Hkv`` heads (grouped
-    query attention when ``Hq != Hkv``) under ``block_mask``; returns ``q``'s layout."""
+    query attention when ``Hq != Hkv``) under ``block_mask`` (a ``BlockMask``, or a function of no
+    arguments that builds it); returns ``q``'s layout. With no token (``N = 0``) the output is empty, as
+    on the other backends, and no block mask is built (FlexAttention cannot build or run one)."""
+    from torch.nn.attention.flex_attention import BlockMask
     from torch.nn.attention.flex_attention import flex_attention as eager_flex
 
+    if q.shape[-3] == 0:  # still tied to q, k, v, so that a backward through it runs
+        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+    if not isinstance(block_mask, BlockMask):
+        block_mask = block_mask()
     fn = _compiled_flex() if q.device.type == "cuda" else eager_flex
     batched = q.dim() == 4
     qh, kh, vh = ((x if batched else x[None]).transpose(1, 2) for x in (q, k, v))  # [B, H, N, D]

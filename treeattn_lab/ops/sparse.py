@@ -96,7 +96,8 @@ def sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale: float | N
     ``block_size`` tile that one of its head's slashes crosses (see
     :meth:`VerticalSlashPattern.dense_mask`). ``Hq`` must be a multiple of ``Hkv`` (grouped-query
     attention); ``scale`` defaults to ``1 / sqrt(head_dim)``. Rows that see no key output zeros.
-    Differentiable in q, k and v (flex: on CUDA only).
+    Differentiable in q, k and v (flex: on CUDA only). A ``nan`` / ``inf`` in k or v reaches every row
+    that sees its token and, depending on the backend, rows that do not (:mod:`treeattn_lab.ops`).
     """
     check_qkv(q, k, v)
     check_scale(scale)

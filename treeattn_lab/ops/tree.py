@@ -45,7 +45,9 @@ def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = 
 
     Packed query q sees key k exactly when ``k <= q < pack.subtree_end[k]``, which equals causal
     attention inside every rollout. ``Hq`` must be a multiple of ``Hkv`` (grouped-query attention);
-    ``scale`` defaults to ``1 / sqrt(head_dim)``. Differentiable in q, k and v.
+    ``scale`` defaults to ``1 / sqrt(head_dim)``. Differentiable in q, k and v. A ``nan`` / ``inf`` in
+    k or v reaches every row that sees its token and, depending on the backend, rows that do not
+    (:mod:`treeattn_lab.ops`).
     """
     from ..pack import TreePack
 
