@@ -62,7 +62,7 @@ class StepZeroGradients(transformers.TrainerCallback):
             }
 
 
-def train(cls, model_dir, tmp_path, *, loss_type, num_iterations, **tree):
+def train(cls, model_dir, tmp_path, *, loss_type, num_iterations, checkpointing=False, **tree):
     path, tokenizer = model_dir
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / cls.__name__),
@@ -77,7 +77,7 @@ def train(cls, model_dir, tmp_path, *, loss_type, num_iterations, **tree):
         seed=0,
         beta=0.04,
         bf16=False,
-        gradient_checkpointing=False,
+        gradient_checkpointing=checkpointing,
         learning_rate=1e-2,
         disable_dropout=True,
         loss_type=loss_type,
@@ -115,17 +115,19 @@ def stock_runs(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("tree_mode", "loss_type", "num_iterations"),
+    ("tree_mode", "loss_type", "num_iterations", "checkpointing"),
     [
-        ("packed", "dapo", 1),
-        ("dfs", "dapo", 1),
-        ("flat", "grpo", 1),
-        ("auto", "grpo", 2),
-        ("dfs", "dr_grpo", 2),
+        ("packed", "dapo", 1, False),
+        ("dfs", "dapo", 1, False),
+        ("flat", "grpo", 1, False),
+        ("auto", "grpo", 2, False),
+        ("dfs", "dr_grpo", 2, False),
+        ("dfs", "dapo", 1, True),  # TRL's default activation checkpointing, against the stock run without
+        ("packed", "grpo", 2, True),
     ],
 )
 def test_tree_trainer_matches_the_stock_trainer(
-    model_dir, stock_runs, tmp_path, tree_mode, loss_type, num_iterations
+    model_dir, stock_runs, tmp_path, tree_mode, loss_type, num_iterations, checkpointing
 ):
     want_logs, want_grads = stock_runs(loss_type, num_iterations)
     logs, grads = train(
@@ -134,6 +136,7 @@ def test_tree_trainer_matches_the_stock_trainer(
         tmp_path,
         loss_type=loss_type,
         num_iterations=num_iterations,
+        checkpointing=checkpointing,
         tree_mode=tree_mode,
         block_tokens=3,
     )
