@@ -53,7 +53,7 @@ def check_equivalence(*, layout="striped", inner=None, backend="reference", toke
     ``rank_faults[rank]`` makes that rank disagree with its peers: ``{"layout": ...}`` passes another
     layout to the ring, ``{"pattern_seed": ...}`` another pattern of the same size, ``{"drop_row": True}``
     one token too few (a rank that rejects its own input)."""
-    from ..ops.sparse import reference_sparse_attention
+    from ..reference.sparse import sparse_attention as reference_sparse_attention
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     faults = (rank_faults or {}).get(rank, {})
