@@ -91,6 +91,17 @@ def test_dfs_holds_one_block_of_logits_and_packed_the_head_chunk(monkeypatch):
     assert max(rows_seen) == 3 + 10  # the prompt's last block: 3 entries inside it, 10 for its children
 
 
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+def test_each_tree_token_runs_once(mode):
+    prompt = [1, 2, 3, 4, 5, 6]
+    seqs = [prompt + [7, 8], prompt + [9, 10], prompt + [11, 12], prompt + [7, 8]]  # equal leaves: no pads
+    model = tiny_lm()
+    rows: list[int] = []
+    model.embed.register_forward_hook(lambda mod, args, out: rows.append(args[0].numel()))
+    tree_logprobs(model, RolloutTrie.from_sequences(seqs), mode=mode, block_tokens=4)
+    assert sum(rows) == 6 + 3 * 2  # the prompt once, each distinct completion once
+
+
 def test_dfs_logprob_pass_holds_the_path_keys_and_values_only():
     from treeattn_lab.engine.adapters import adapt
     from treeattn_lab.engine.dfs import dfs_logprobs, run_dfs
