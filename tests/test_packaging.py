@@ -106,7 +106,8 @@ def test_the_notebook_stack_is_an_extra():
     assert {"torch", "triton", "einops", "networkx", "tqdm", "rich"} <= core
     assert not core & {"jupyterlab", "ipywidgets", "anywidget", "plotly", "psutil"}
     assert {"jupyterlab", "ipywidgets", "anywidget", "plotly", "psutil"} <= names(extras["lab"])
-    assert "treeattn-lab[lab]" in extras["dev"]
+    assert "trl" in names(extras["trl"])
+    assert "treeattn-lab[lab,trl]" in extras["dev"]
     assert '".[lab]"' in (ROOT / "binder" / "postBuild").read_text()
     makefile = (ROOT / "Makefile").read_text()
     assert 'install -q -e ".[lab]"' in makefile and 'install -q -e ".[dev]"' in makefile
