@@ -135,8 +135,9 @@ def _attention_table(fwd, dkdv, dq) -> dict[str, LaunchConfig]:
 
 # ---------------------------------------------------------------------------------------------- tree
 # head_dim -> kernel -> launch, bf16 / fp16. Shapes: bench/results/tree-tune__NVIDIA-H200__torch-2.11.0-
-# cu130__triton-3.6.0.json; the head-dim-128 forward's TMA loads: bench/results/tree-tma__NVIDIA-H200__
-# torch-2.11.0-cu130__triton-3.6.0.json.
+# cu130__triton-3.6.0.json. The head-dim-128 forward's TMA loads: a `bench tree-tune` sweep with no file
+# under bench/results/; bench/results/tree-tma__NVIDIA-H200__torch-2.11.0-cu130__triton-3.6.0.json is
+# `bench tree` run with them.
 TREE = {
     64: _attention_table((128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 2)),
     128: _attention_table((128, 128, 8, 3, True), (128, 128, 8, 2), (128, 128, 8, 2)),
