@@ -329,8 +329,9 @@ SECTIONS = (
     Section("Tree attention", "The tree kernel against flat SDPA and FlexAttention on packed tries, its "
             "launch tuning and a per-kernel profile of its backward.",
             {"tree": render_tree, "tree-tune": render_tree_tune, "tree-bwd-profile": render_tree_profile}),
-    Section("Training on a trie", "One training step through the engine per rollout set and mode.",
-            {"train": render_train}),
+    Section("Training on a trie", "One training step through the engine per rollout set and mode, and "
+            "one GRPO step (log-probs of the old and reference policies, then the training pass).",
+            {"train": render_train, "rl": render_rows}),
     Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
             "data-parallel step on two GPUs.",
             {"balance": render_balance, "multi-gpu-train-2x": render_multi_gpu}),
