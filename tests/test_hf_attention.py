@@ -98,6 +98,21 @@ def test_sliding_windows_a_rollout_exceeds_are_refused():
     assert len(tree_logprobs(model, short)) == 2  # every rollout fits the window: exact, accepted
 
 
+def test_padding_masks_are_refused_inside_hf_tree_attention():
+    model = hf_model("Llama")
+    pack = RolloutTrie.from_sequences(SEQS).pack()
+    ids, pos = pack.input_ids[None], pack.position_ids[None]
+    with torch.no_grad(), hf_tree_attention(model, pack):
+        plain = model(input_ids=ids, position_ids=pos).logits
+        ones = model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
+        torch.testing.assert_close(ones, plain)  # a mask hiding nothing changes nothing
+        mask = torch.ones_like(ids)
+        mask[0, -1] = 0
+        with pytest.raises(ValueError, match="attention_mask that hides tokens"):
+            model(input_ids=ids, position_ids=pos, attention_mask=mask)
+    assert not model._forward_pre_hooks  # the check leaves with the block
+
+
 def test_unknown_attention_arguments_are_refused():
     q = k = v = torch.randn(1, 2, 3, 4)
     module = torch.nn.Module()

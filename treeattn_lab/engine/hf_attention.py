@@ -143,7 +143,8 @@ def hf_tree_attention(model, pack, *, backend: str = "auto"):
 
     Call it as ``model(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None])``: row 0 of the
     logits then equals each rollout's own logits at its packed positions. Run backward inside the block too
-    when the model uses activation checkpointing. Unsupported attention features raise a ValueError.
+    when the model uses activation checkpointing. Unsupported attention features, and an
+    ``attention_mask`` that hides tokens, raise a ValueError.
     """
     from ..pack import TreePack
     from .attention import packed_tree
@@ -154,9 +155,23 @@ def hf_tree_attention(model, pack, *, backend: str = "auto"):
         raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}")
     check_supported_config(model.config)
     tree = packed_tree(pack, backend)
-    with attention_session(model, int(pack.seq_lengths.max())) as slot:
-        slot["attention"] = lambda layer, q, k, v, scale: tree(q, k, v, scale)
-        yield model
+    hook = model.register_forward_pre_hook(_refuse_padding_masks, with_kwargs=True)
+    try:
+        with attention_session(model, int(pack.seq_lengths.max())) as slot:
+            slot["attention"] = lambda layer, q, k, v, scale: tree(q, k, v, scale)
+            yield model
+    finally:
+        hook.remove()
+
+
+def _refuse_padding_masks(module, args, kwargs):
+    """The pack's tree decides what each token sees; a mask that hides tokens cannot be honoured."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool((mask != 0).all()):
+        raise ValueError(
+            "inside hf_tree_attention the pack's tree decides what each token attends; an attention_mask "
+            "that hides tokens cannot be honoured (drop the pads first: RolloutTrie.from_padded)"
+        )
 
 
 __all__ = ["HF_ATTENTION_NAME", "check_supported_config", "hf_tree_attention", "sliding_window"]
