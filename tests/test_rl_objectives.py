@@ -253,3 +253,27 @@ def test_grpo_step_through_the_engine_equals_flat_autograd(mode, loss_type):
     result = tree_backward(model, trie, objective=objective, mode=mode, block_tokens=2, token_budget=10)
     assert_grads_close(model, expected, 1e-7)
     assert result.loss == pytest.approx(value, rel=1e-9)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batched_rollout_terms_equal_the_sum_of_single_terms(level):
+    b = ragged_batch(11)
+    objective = grpo_objective(
+        b["old"],
+        b["advantages"],
+        b["masks"],
+        ref_logps=b["ref"],
+        beta=0.04,
+        loss_type="grpo",
+        importance_sampling=level,
+        kl_importance_weight=True,
+    )
+    picked = [4, 0, 2]
+    batched = objective.rollout_terms(picked, [b["logps"][i] for i in picked])
+    single = sum(objective.rollout_term(i, b["logps"][i]) for i in picked)
+    assert batched.item() == pytest.approx(single.item(), rel=1e-12)
+    assert objective(b["logps"]).item() == pytest.approx(
+        sum(objective.rollout_term(i, lp) for i, lp in enumerate(b["logps"])).item(), rel=1e-12
+    )
+    with pytest.raises(ValueError, match=r"logps\[0\] must have shape"):
+        objective.rollout_terms([0], [b["logps"][1][:2]])

@@ -5,8 +5,10 @@ An objective may declare ``objective.rollout_term(i, logp_i) -> scalar`` with
     objective(logps) = sum_i rollout_term(i, logps[i])          (i: the rollout's index in the trie)
 
 (every :mod:`treeattn_lab.rl` objective does: per-sequence means, a group's token mean with its constant
-token count, Dr. GRPO's constant length, GSPO's sequence ratio). Then no rollout's gradient waits for
-another rollout, and each micro-batch is trained in one pass, with no log-prob pass before it:
+token count, Dr. GRPO's constant length, GSPO's sequence ratio), and optionally
+``objective.rollout_terms(indices, logps)``, the sum of several terms computed as one batch. Then no
+rollout's gradient waits for another rollout, and each micro-batch is trained in one pass, with no
+log-prob pass before it:
 
 - flat and packed: the micro-batch's log-probs with autograd, the sum of its rollouts' terms, backward;
 - dfs (:class:`TermScores`, a scorer for :func:`treeattn_lab.engine.dfs.run_dfs`): a rollout's log-probs
@@ -33,14 +35,23 @@ def is_per_rollout(objective) -> bool:
 
 
 def terms_value(objective, rollouts, logps) -> torch.Tensor | None:
-    """``sum_r objective.rollout_term(rollouts[r], logps[r])`` (None for no rollout)."""
-    terms = [_checked(objective.rollout_term(i, lp), i) for i, lp in zip(rollouts, logps, strict=True)]
-    return torch.stack(terms).sum() if terms else None
+    """``sum_r objective.rollout_term(rollouts[r], logps[r])`` (None for no rollout), in one call of
+    ``objective.rollout_terms(rollouts, logps)`` where the objective offers that batched form."""
+    if not len(rollouts):
+        return None
+    batched = getattr(objective, "rollout_terms", None)
+    if callable(batched):
+        return _checked(batched(list(rollouts), list(logps)), "rollout_terms(rollouts, logps)")
+    terms = [
+        _checked(objective.rollout_term(i, lp), f"rollout_term({i}, logp)")
+        for i, lp in zip(rollouts, logps, strict=True)
+    ]
+    return torch.stack(terms).sum()
 
 
-def _checked(term, i: int) -> torch.Tensor:
+def _checked(term, call: str) -> torch.Tensor:
     if not isinstance(term, torch.Tensor) or term.numel() != 1 or not term.dtype.is_floating_point:
-        raise TypeError(f"objective.rollout_term({i}, logp) must return a floating-point scalar tensor")
+        raise TypeError(f"objective.{call} must return a floating-point scalar tensor")
     return term.reshape(())
 
 

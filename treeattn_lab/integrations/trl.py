@@ -51,6 +51,9 @@ class _Scaled:
     def rollout_term(self, i, logp):
         return self.factor * self.objective.rollout_term(i, logp)
 
+    def rollout_terms(self, rollouts, logps):
+        return self.factor * self.objective.rollout_terms(rollouts, logps)
+
 
 class _Done(torch.autograd.Function):
     """A loss value for ``Trainer.training_step`` whose backward adds nothing (``.grad`` is already full)."""

@@ -161,8 +161,8 @@ def _token_losses(logp, old, ref, adv, mask, owner, rollouts: int, o: GRPOOption
 class GRPOObjective:
     """``objective(logps)``: the loss of the module docstring for fixed old/reference log-probs
     (``old_logps=None``: on-policy, the current log-probs detached), advantages and masks; also a sum
-    of per-rollout terms, ``rollout_term(i, logps[i])``, which lets
-    :func:`treeattn_lab.engine.tree_backward` train every micro-batch in one pass."""
+    of per-rollout terms, ``rollout_term(i, logps[i])`` (``rollout_terms`` sums several in one batch),
+    which lets :func:`treeattn_lab.engine.tree_backward` train every micro-batch in one pass."""
 
     def __init__(self, old_logps, advantages, masks, *, ref_logps=None, **options):
         self.options = o = GRPOOptions(**options)
@@ -219,12 +219,26 @@ class GRPOObjective:
         return (per_token * values["weight"]).sum()
 
     def rollout_term(self, i: int, logp: torch.Tensor) -> torch.Tensor:
-        self._check(i, logp)
-        values = {
-            k: None if v is None else v[i] for k, v in self._on(logp.device, logp.dtype)["split"].items()
-        }
-        owner = torch.zeros(logp.numel(), dtype=torch.int64, device=logp.device)
-        return self._loss(logp, values, owner, 1)
+        """Rollout ``i``'s share of the loss: the loss is the sum of these over the rollouts."""
+        return self.rollout_terms([i], [logp])
+
+    def rollout_terms(self, rollouts: Sequence[int], logps: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``sum_r rollout_term(rollouts[r], logps[r])``, computed as one batch."""
+        if len(rollouts) != len(logps):
+            raise ValueError(f"got {len(logps)} log-prob tensors for {len(rollouts)} rollouts")
+        for i, lp in zip(rollouts, logps, strict=True):
+            self._check(i, lp)
+        logp = torch.cat(list(logps))
+        on = self._on(logp.device, logp.dtype)
+        if list(rollouts) == list(range(len(self.lengths))):
+            values = on["flat"]
+        else:
+            values = {
+                k: None if v is None else torch.cat([v[i] for i in rollouts]) for k, v in on["split"].items()
+            }
+        lengths = torch.tensor([self.lengths[i] for i in rollouts], dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(rollouts)), lengths).to(logp.device)
+        return self._loss(logp, values, owner, len(rollouts))
 
     @torch.no_grad()
     def metrics(self, logps: Sequence[torch.Tensor]) -> dict[str, float]:
@@ -260,12 +274,7 @@ class GRPOObjective:
             raise ValueError(
                 f"got log-probs of {len(logps)} rollouts for an objective of {len(self.lengths)}"
             )
-        for i, lp in enumerate(logps):
-            self._check(i, lp)
-        logp = torch.cat(list(logps))
-        values = self._on(logp.device, logp.dtype)["flat"]
-        owner = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths))
-        return self._loss(logp, values, owner.to(logp.device), len(self.lengths))
+        return self.rollout_terms(range(len(self.lengths)), logps)
 
 
 def grpo_objective(old_logps, advantages, masks, **options) -> GRPOObjective:
