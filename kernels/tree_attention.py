@@ -428,13 +428,11 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     ``split_groups`` (None: :func:`should_split_groups` decides) runs the dK/dV kernel per query head
     instead of per kv head under grouped-query attention.
     """
-    defaults = default_configs(q.shape[-1], q.dtype)
-    plans = []
-    for name, config in (("fwd", fwd_config), ("dkdv", dkdv_config), ("dq", dq_config)):
-        launch = launch_config(config, f"{name}_config", defaults[name])
-        plans.append((schedule_for(pack, launch.block_m, launch.block_n), launch))
+    launches = [launch_config(config, f"{name}_config", default_configs(q.shape[-1], q.dtype)[name])
+                for name, config in (("fwd", fwd_config), ("dkdv", dkdv_config), ("dq", dq_config))]
 
-    def apply(q, k, v, scale):
+    def apply(q, k, v, scale):  # after the input checks: a refused call caches no schedule on the pack
+        plans = [(schedule_for(pack, launch.block_m, launch.block_n), launch) for launch in launches]
         subtree_end = pack.subtree_end.contiguous()
         return TreeAttentionFunction.apply(q, k, v, subtree_end, scale, *plans, split_groups)
 

@@ -153,6 +153,7 @@ def test_unsupported_head_dim_and_dtype_are_refused():
     pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()
     with pytest.raises(ValueError, match="head dim 24"):
         tree_attention(*(torch.randn(3, 1, 24) for _ in range(3)), pack, backend="triton")
+    assert not any(key[0] == "triton_tree_schedule" for key in pack._cache), "a refused call cached one"
     with pytest.raises(TypeError, match="float64"):
         q64 = torch.randn(3, 1, 16, dtype=torch.float64)
         tree_attention(q64, q64, q64, pack, backend="triton")
