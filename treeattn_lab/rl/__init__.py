@@ -11,6 +11,7 @@ objective = grpo_objective(old, group_advantages(rewards, 8), masks, ref_logps=r
 tree_backward(model, trie, objective=objective)     # .grad of the loss, exactly as flat training
 """
 
+from .grpo import GRPO, GRPOConfig
 from .objectives import (
     LOSS_TYPES,
     GRPOObjective,
@@ -23,6 +24,7 @@ from .objectives import (
     ppo_clip,
 )
 from .sample import SampleBatch, sample
+from .tasks import AdditionTask, ByteTokenizer
 
 __all__ = [
     "LOSS_TYPES",
@@ -36,4 +38,8 @@ __all__ = [
     "ppo_clip",
     "SampleBatch",
     "sample",
+    "GRPO",
+    "GRPOConfig",
+    "AdditionTask",
+    "ByteTokenizer",
 ]

@@ -374,8 +374,10 @@ def _run_turns(decoder: _Decoder, max_new_tokens: int, forks, environment, eos, 
         if environment is None:  # one answer in segments: an eos ends the rollout
             finished = [f or e for f, e in zip(finished, ended, strict=True)]
         else:
-            observed = [_observation(environment, j, t, decoder.adapter.vocab_size)
-                        for j, t in zip(decoder.prompt_index, decoder.tokens, strict=True)]
+            observed = [
+                _observation(environment, j, t, decoder.adapter.vocab_size)
+                for j, t in zip(decoder.prompt_index, decoder.tokens, strict=True)
+            ]
         decoder.fork(ways)
         finished = [f for f in finished for _ in range(ways)]
         if environment is not None:
