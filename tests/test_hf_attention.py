@@ -113,6 +113,20 @@ def test_padding_masks_are_refused_inside_hf_tree_attention():
     assert not model._forward_pre_hooks  # the check leaves with the block
 
 
+def test_models_whose_logits_are_not_the_head_of_the_last_hidden_state_are_refused():
+    model = hf_model("Llama", seed=7)
+
+    def scale_logits(module, args, kwargs, out):  # a causal-LM forward that post-processes its logits
+        out.logits = out.logits * 2
+        return out
+
+    model.register_forward_hook(scale_logits, with_kwargs=True)
+    model.train()
+    with pytest.raises(ValueError, match="post-processes them"):
+        tree_logprobs(model, RolloutTrie.from_sequences(SEQS))
+    assert model.training and all(m.training for m in model.modules())  # its flags are restored
+
+
 def test_unknown_attention_arguments_are_refused():
     q = k = v = torch.randn(1, 2, 3, 4)
     module = torch.nn.Module()
@@ -130,6 +144,13 @@ def test_unknown_attention_arguments_are_refused():
             hf_attention._hf_attention(module, q, k, v, None, output_attentions=True)
         with pytest.raises(ValueError, match="dropout"):
             hf_attention._hf_attention(module, q, k, v, None, dropout=0.1)
+        with pytest.raises(ValueError, match="attention sinks"):
+            hf_attention._hf_attention(module, q, k, v, None, s_aux=torch.zeros(2))
+        with pytest.raises(ValueError, match="softcapping"):
+            hf_attention._hf_attention(module, q, k, v, None, softcap=50.0)
+        with pytest.raises(ValueError, match="sliding-window"):  # the session's longest rollout is 3
+            hf_attention._hf_attention(module, q, k, v, None, sliding_window=2)
+        hf_attention._hf_attention(module, q, k, v, None, sliding_window=3)  # a window no rollout exceeds
     with pytest.raises(TypeError, match="pack must be a TreePack"), hf_tree_attention(model, [[1, 2]]):
         pass
     with pytest.raises(TypeError, match="Hugging Face model"), hf_tree_attention(torch.nn.Linear(2, 2), None):

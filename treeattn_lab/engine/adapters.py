@@ -22,6 +22,7 @@ implementation is switched only for the duration of a call and then restored.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from functools import partial
 
@@ -107,6 +108,11 @@ class TinyLMAdapter(ModelAdapter):
         return self.model.head
 
 
+# Hugging Face models whose head has been checked (see HFCausalLMAdapter._check_head); weak, so a model
+# that goes away leaves it.
+_HEADS_CHECKED: weakref.WeakSet = weakref.WeakSet()
+
+
 def _call_with_layer(attention: LayerAttention, layer: int, q, k, v):
     return attention(layer, q, k, v, None)
 
@@ -116,10 +122,36 @@ class HFCausalLMAdapter(ModelAdapter):
 
     def __init__(self, model):
         cfg = model.config
-        hf_attention.check_supported_config(cfg)
+        hf_attention.check_supported_model(model)
         super().__init__(model, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
         self.sliding_window = hf_attention.sliding_window(cfg)
         self._slot: dict | None = None
+        if model not in _HEADS_CHECKED:
+            self._check_head()
+            _HEADS_CHECKED.add(model)
+
+    def _check_head(self) -> None:
+        """Refuse a model whose logits are not ``head(last hidden state)`` (its causal-LM forward
+        post-processes them in a way the engine would skip). Checked once per model, on four tokens,
+        with the model's own attention and in eval mode (its train/eval flags are restored)."""
+        model = self.model
+        flags = [(m, m.training) for m in model.modules()]
+        ids = torch.arange(min(4, self.vocab_size), device=self.device)[None]
+        try:
+            model.eval()
+            with torch.no_grad():
+                own = model(input_ids=ids, use_cache=False).logits
+                ours = self.head(model.base_model(input_ids=ids, use_cache=False).last_hidden_state)
+        finally:
+            for m, training in flags:
+                m.training = training
+        if not torch.allclose(
+            own.float(), ours.float(), rtol=1e-3, atol=1e-3 * float(own.abs().max()) + 1e-6
+        ):
+            raise ValueError(
+                f"{type(model).__name__}'s logits are not its output head applied to the last hidden state: "
+                "its causal-LM forward post-processes them, which treeattn_lab's engine does not reproduce"
+            )
 
     def check_length(self, longest: int) -> None:
         """A sliding-window model is exact here only while no rollout is longer than its window."""

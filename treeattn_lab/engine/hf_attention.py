@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 HF_ATTENTION_NAME = "treeattn_lab"
 # The running call's attention and its longest rollout. A plain module-level slot, not a ContextVar: on
 # CUDA, checkpointed layers are recomputed on autograd's worker threads, which must see it too. So one
@@ -108,6 +110,18 @@ def check_supported_config(config) -> None:
             )
 
 
+def check_supported_model(model) -> None:
+    """:func:`check_supported_config`, and attention layers that hold sinks (GPT-OSS ``sinks``): refused
+    before anything runs (the attention call would refuse them too, as ``s_aux``)."""
+    check_supported_config(model.config)
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise ValueError(
+                f"{name} has attention sinks: not supported by treeattn_lab's attention (a sink adds a logit "
+                "to every softmax row, which tree attention does not compute)"
+            )
+
+
 def sliding_window(config) -> int | None:
     """The narrowest sliding window any layer uses (None: every layer attends the whole rollout)."""
     window = getattr(config, "sliding_window", None)
@@ -153,7 +167,7 @@ def hf_tree_attention(model, pack, *, backend: str = "auto"):
         raise TypeError(f"model must be a Hugging Face model, got {type(model).__name__}")
     if not isinstance(pack, TreePack):
         raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}")
-    check_supported_config(model.config)
+    check_supported_model(model)
     tree = packed_tree(pack, backend)
     hook = model.register_forward_pre_hook(_refuse_padding_masks, with_kwargs=True)
     try:
@@ -174,4 +188,10 @@ def _refuse_padding_masks(module, args, kwargs):
         )
 
 
-__all__ = ["HF_ATTENTION_NAME", "check_supported_config", "hf_tree_attention", "sliding_window"]
+__all__ = [
+    "HF_ATTENTION_NAME",
+    "check_supported_config",
+    "check_supported_model",
+    "hf_tree_attention",
+    "sliding_window",
+]
