@@ -52,6 +52,7 @@ def test_kernels_run_when_triton_was_imported_first():
     assert "every kernel ran" in result.stdout
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the interpreter runs only without CUDA")
 def test_user_interpret_setting_after_importing_triton_is_honoured():
     # TRITON_INTERPRET=1 set by the user after `import triton`, before treeattn_lab: still interpreted
     code = "import os\nimport triton\nos.environ['TRITON_INTERPRET'] = '1'\n" + TRITON_FIRST.replace(
