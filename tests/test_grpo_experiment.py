@@ -19,7 +19,8 @@ def test_tiny_mode_end_to_end(tmp_path, capsys):
     path, result = _run(tmp_path, "--seeds", "3")
     assert "GRPO flat vs tree" in capsys.readouterr().out
     cfg = grpo_tree.MODES["tiny"]
-    rows = result["rows"]
+    rows = result["steps"]
+    assert len(result["rows"]) == 2 and {"final_reward", "learner_s", "token_ratio"} <= set(result["rows"][0])
     assert len(rows) == 2 * cfg.steps and {r["mode"] for r in rows} == {"flat", "tree"}
     first = {r["mode"]: r for r in rows if r["step"] == 0}
     for key in ("reward", "flat_tokens", "tree_tokens", "token_ratio"):  # the same seed: the same first batch
@@ -29,7 +30,7 @@ def test_tiny_mode_end_to_end(tmp_path, capsys):
     assert result["grad_rel_diff"]["3"] < 1e-5  # step-0 gradients agree, float32
     head = result["headline"]
     assert head["token_ratio"] > 1 and head["learner_speedup"] > 0
-    assert {s["loop"] for s in result["summary"]} == {"flat", "tree"}
+    assert {s["loop"] for s in result["rows"]} == {"flat", "tree"}
     assert result["config"]["model"]["dim"] == cfg.model.dim and result["environment"]["device"] == "cpu"
     assert not list(tmp_path.glob(".*.tmp")), "written through a temporary file, then replaced"
 
@@ -40,7 +41,7 @@ def test_merge_of_per_seed_runs(tmp_path):
     b_path, b = _run(b_dir, "--seeds", "1")
     merged = grpo_tree.merge_results([a, b])
     assert merged["config"]["seeds"] == [0, 1]
-    assert len(merged["rows"]) == len(a["rows"]) + len(b["rows"])
+    assert len(merged["steps"]) == len(a["steps"]) + len(b["steps"])
     assert {s["seed"] for s in merged["summary"]} == {0, 1}
     assert set(merged["grad_rel_diff"]) == {0, 1}
     assert grpo_tree.main(["--mode", "tiny", "--merge", str(a_path), str(b_path), "--out", str(out)]) == 0

@@ -110,7 +110,7 @@ def gradient_check(model, task, cfg: ExperimentConfig, seed: int) -> float:
 
 
 def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) -> dict:
-    """The protocol of the module docstring for one seed: ``{"rows", "evals", "grad_rel_diff"}``."""
+    """The protocol of the module docstring for one seed: ``{"steps", "evals", "grad_rel_diff"}``."""
     from tqdm.auto import tqdm
 
     task = cfg.task()
@@ -121,14 +121,14 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) ->
     evals = {"warm-up": task.evaluate(model, held_out)}
     grad_rel_diff = gradient_check(model, task, cfg, seed)
     trainers = {loop: GRPO(copy.deepcopy(model), task, cfg.grpo(), mode=loop, seed=seed) for loop in LOOPS}
-    rows = []
+    steps = []
     for step in tqdm(range(cfg.steps), desc=f"GRPO flat + tree, seed {seed}", disable=not progress):
         for loop in LOOPS if step % 2 == 0 else LOOPS[::-1]:
             record = trainers[loop].step()
-            rows.append({"seed": seed, **{k: v for k, v in record.items() if k != "losses"}})
+            steps.append({"seed": seed, **{k: v for k, v in record.items() if k != "losses"}})
     for loop, trainer in trainers.items():
         evals[loop] = task.evaluate(trainer.model, held_out)
-    return {"rows": rows, "evals": {seed: evals}, "grad_rel_diff": {seed: grad_rel_diff}}
+    return {"steps": steps, "evals": {seed: evals}, "grad_rel_diff": {seed: grad_rel_diff}}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -136,12 +136,13 @@ def _learner_s(row: dict) -> float:
     return row["times_s"]["logprobs"] + row["times_s"]["train"]
 
 
-def summarize(rows: list[dict], evals: dict, final_window: int) -> list[dict]:
-    """One row per (seed, loop): final rewards, mean time per phase and per step, token ratio, memory."""
+def summarize(steps: list[dict], evals: dict, final_window: int) -> list[dict]:
+    """One row per (seed, loop) of the per-step records: final rewards, mean time per phase and per step,
+    token ratio, memory."""
     out = []
-    for seed in sorted({r["seed"] for r in rows}):
+    for seed in sorted({r["seed"] for r in steps}):
         for loop in LOOPS:
-            mine = [r for r in rows if r["seed"] == seed and r["mode"] == loop]
+            mine = [r for r in steps if r["seed"] == seed and r["mode"] == loop]
             mine.sort(key=lambda r: r["step"])
             if not mine:
                 continue
@@ -183,23 +184,23 @@ def headline(summary: list[dict], grad_rel_diff: dict) -> dict:
 
 
 def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True) -> dict:
-    """Every seed of ``cfg``; returns ``{"config", "rows", "evals", "grad_rel_diff", "summary", "headline",
+    """Every seed of ``cfg``; returns ``{"config", "steps", "evals", "grad_rel_diff", "summary", "headline",
     "seconds", "device"}``."""
     cfg = MODES[cfg] if isinstance(cfg, str) else cfg
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
-    rows, evals, grads = [], {}, {}
+    steps, evals, grads = [], {}, {}
     for seed in cfg.seeds:
         part = run_seed(cfg, seed, device, progress)
-        rows += part["rows"]
+        steps += part["steps"]
         evals.update(part["evals"])
         grads.update(part["grad_rel_diff"])
-    return _result(asdict(cfg), rows, evals, grads, time.perf_counter() - start, str(device))
+    return _result(asdict(cfg), steps, evals, grads, time.perf_counter() - start, str(device))
 
 
-def _result(config: dict, rows, evals, grads, seconds: float, device: str) -> dict:
-    summary = summarize(rows, evals, config["final_window"])
-    return {"config": config, "rows": rows, "evals": evals, "grad_rel_diff": grads, "summary": summary,
+def _result(config: dict, steps, evals, grads, seconds: float, device: str) -> dict:
+    summary = summarize(steps, evals, config["final_window"])
+    return {"config": config, "steps": steps, "evals": evals, "grad_rel_diff": grads, "summary": summary,
             "headline": headline(summary, grads), "seconds": seconds, "device": device}
 
 
@@ -216,8 +217,8 @@ def merge_results(results: list[dict]) -> dict:
     # JSON turns the int seed keys into strings; normalise both forms
     evals = {int(k): v for r in results for k, v in r["evals"].items()}
     grads = {int(k): v for r in results for k, v in r["grad_rel_diff"].items()}
-    rows = [row for r in results for row in r["rows"]]
-    return _result({**results[0]["config"], "seeds": sorted(seeds)}, rows, evals, grads,
+    steps = [row for r in results for row in r["steps"]]
+    return _result({**results[0]["config"], "seeds": sorted(seeds)}, steps, evals, grads,
                    sum(r["seconds"] for r in results), results[0]["device"])
 
 
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         saved = [json.loads(Path(f).read_text()) for f in args.merge]
         result, env = merge_results(saved), saved[0]["environment"]
+        result["merged_from"] = [r.get("command") for r in saved]  # the per-seed runs, as they were run
         mode = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "seeds"}
         if {k: v for k, v in result["config"].items() if k != "seeds"} != mode:
             parser.error(f"the results to merge were not run in --mode {args.mode} (with its --steps)")
@@ -270,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["summary"])
     print("headline:", json.dumps(result["headline"], indent=1))
     if not args.no_save:
-        path = write_results(f"{BENCH_NAME}-{args.mode}", result["rows"], env, directory=args.out,
-                             extra={k: v for k, v in result.items() if k != "rows"})
+        # the summary is the file's table (rows); the per-step records go with it as "steps"
+        path = write_results(f"{BENCH_NAME}-{args.mode}", result["summary"], env, directory=args.out,
+                             extra={k: v for k, v in result.items() if k != "summary"})
         print(f"wrote {path}")
     return 0
 
