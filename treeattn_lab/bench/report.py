@@ -307,6 +307,19 @@ def layer_name(layer) -> str:
     return f"layer {layer}" if isinstance(layer, int) else f"layers {layer}"
 
 
+def render_grpo(p: dict) -> list[str]:
+    """The GRPO loop flat against the tree: per seed and loop, rewards and seconds per phase."""
+    head = {k: v for k, v in p.get("headline", {}).items() if not isinstance(v, dict)}
+    out = [f"Configuration: {mapping({k: v for k, v in p.get('config', {}).items() if k != 'model'})}.", ""]
+    out += render_rows(p)
+    if head:
+        out += [f"Over the seeds: {mapping(head)}", ""]
+    if p.get("grad_rel_diff"):
+        out += [f"Step-0 gradients, tree against flat (relative difference per seed): "
+                f"{mapping(p['grad_rel_diff'])}", ""]
+    return out
+
+
 def render_rows(p: dict) -> list[str]:
     """Any other result file: its rows, scalar fields only."""
     rows = p.get("rows") or []
@@ -329,9 +342,10 @@ SECTIONS = (
     Section("Tree attention", "The tree kernel against flat SDPA and FlexAttention on packed tries, its "
             "launch tuning and a per-kernel profile of its backward.",
             {"tree": render_tree, "tree-tune": render_tree_tune, "tree-bwd-profile": render_tree_profile}),
-    Section("Training on a trie", "One training step through the engine per rollout set and mode, and "
-            "one GRPO step (log-probs of the old and reference policies, then the training pass).",
-            {"train": render_train, "rl": render_rows}),
+    Section("Training on a trie", "One training step through the engine per rollout set and mode, one "
+            "GRPO step (log-probs of the old and reference policies, then the training pass), and the GRPO "
+            "loop flat against the tree.",
+            {"train": render_train, "rl": render_rows, "grpo-tree-": render_grpo}),
     Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
             "data-parallel step on two GPUs.",
             {"balance": render_balance, "multi-gpu-train-2x": render_multi_gpu}),
