@@ -58,3 +58,16 @@ def test_bad_seeds(seeds, capsys):
     with pytest.raises(SystemExit):
         grpo_tree.main(["--mode", "tiny", "--seeds", seeds, "--no-save"])
     assert "argument --seeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", sorted(grpo_tree.MODES))
+def test_every_mode_is_a_valid_setting(mode):
+    cfg = grpo_tree.MODES[mode]
+    config = cfg.grpo()  # checks group_size against the forks, the loss type, the tree mode
+    task = cfg.task()
+    assert config.num_samples * (config.forks[0] if config.forks else 1) == cfg.group_size
+    assert cfg.model.vocab_size == task.tokenizer.vocab_size and cfg.model.dim % cfg.model.n_heads == 0
+    assert (task.environment(task.problems(1)) is None) == (cfg.turns == 1)
+    model = grpo_tree.TinyLM(cfg.model)
+    trainer = grpo_tree.GRPO(model, task, config, mode="tree")
+    assert len(trainer.forks) == cfg.turns - 1 or (cfg.turns == 1 and trainer.forks == cfg.forks)

@@ -122,6 +122,20 @@ def test_bad_config(kwargs, match):
         GRPOConfig(**kwargs)
 
 
+def test_forks_follow_the_turns():
+    model = small_model()
+    three_turns = AdditionTask(digits=1, shots=1, turns=3)
+    assert GRPO(model, three_turns, GRPOConfig(group_size=4, forks=(2,))).forks == (2, 1)
+    assert GRPO(model, AdditionTask(turns=1), GRPOConfig(group_size=4, forks=(2, 2))).forks == (2, 2)
+    with pytest.raises(ValueError, match="3 forks for a task of 3 turns"):
+        GRPO(model, three_turns, GRPOConfig(group_size=8, forks=(2, 2, 2)))
+    trainer = GRPO(model, three_turns, GRPOConfig(prompts_per_step=1, group_size=2), seed=0)
+    batch = trainer.rollouts(0).batch  # no forks given: still three turns, two environment replies
+    for generated in batch.generated:  # sampled, observed, sampled, observed, sampled
+        starts_of_replies = (generated[:-1] & ~generated[1:]).sum()
+        assert int(starts_of_replies) == 2 and generated[0] and generated[-1]
+
+
 def test_bad_mode():
     with pytest.raises(ValueError, match="mode must be one of"):
         GRPO(small_model(), AdditionTask(), mode="packed")

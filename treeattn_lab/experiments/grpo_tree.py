@@ -16,8 +16,9 @@ token ratio (flat tokens / tree tokens) of the batch that real sampling made. Th
 final reward (the mean sampled reward of the last ``final_window`` steps, and the greedy evaluation) and
 the log-prob + training time per step, flat against tree.
 
-Modes: ``tiny`` (CI, seconds), ``quick`` (a 2-core CPU, three seeds in about ten minutes; run the seeds
-one after another, or as separate processes joined with ``--merge``), ``full`` (sized for one H200).
+Modes: ``tiny`` (CI, seconds), ``quick`` (sized for a 2-core CPU: three seeds within ten minutes; run the
+seeds one after another, or as separate processes joined with ``--merge``), ``full`` (sized for one H200).
+A result file's ``rows`` are the per-(seed, loop) summary; ``steps`` holds every step's record.
 
     python -m treeattn_lab.experiments.grpo_tree --mode quick --seeds 0,1,2
 """

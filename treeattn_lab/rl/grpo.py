@@ -112,6 +112,16 @@ def host_peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def _turn_forks(forks: tuple[int, ...], turns: int) -> tuple[int, ...]:
+    """The forks of a task's turn boundaries: a multi-turn task samples ``turns`` turns, so its forks are
+    padded with 1 (no fork) to ``turns - 1``; a single-turn task forks its answer into segments."""
+    if turns == 1:
+        return tuple(forks)
+    if len(forks) > turns - 1:
+        raise ValueError(f"{len(forks)} forks for a task of {turns} turns (at most one per boundary)")
+    return tuple(forks) + (1,) * (turns - 1 - len(forks))
+
+
 class GRPO:
     """The GRPO loop of the module docstring for ``model`` on ``task`` (an :class:`AdditionTask` or any
     object with ``problems``, ``prompt_ids``, ``environment``, ``rewards``, ``max_new_tokens`` and a
@@ -138,6 +148,7 @@ class GRPO:
         self.model, self.task, self.config = model, task, config or GRPOConfig()
         self.mode, self.seed, self.monitor = mode, check_int("seed", seed, minimum=0), monitor
         self.engine_mode = "flat" if mode == "flat" else self.config.tree_mode
+        self.forks = _turn_forks(self.config.forks, getattr(task, "turns", 1))
         if ref_model is None and self.config.beta > 0:
             ref_model = copy.deepcopy(model).requires_grad_(False)
         self.ref_model = ref_model
@@ -162,7 +173,7 @@ class GRPO:
             top_p=cfg.top_p,
             eos_token_id=task.tokenizer.eos_token_id,
             generator=generator or self.generator,
-            forks=cfg.forks,
+            forks=self.forks,
             environment=task.environment(problems),
         )
         return Rollouts(problems, batch, task.rewards(problems, batch))
