@@ -29,7 +29,15 @@ from pathlib import Path
 from ..datasets import DATASETS, generate, load_trie
 from ..distributed.balance import ANCHOR, BEST, PARTITIONERS, TokenCost, balance
 from ..trie import RolloutTrie
-from .harness import environment, print_table, write_results
+from .harness import (
+    add_out_argument,
+    choice_list,
+    environment,
+    int_list,
+    positive_int,
+    print_table,
+    write_results,
+)
 
 KS = (2, 4, 8, 16, 32, 64)
 LARGE_SETS = ("grpo_math_x8", "tree_search_x8", "agentic_x4", "random_forest")
@@ -63,20 +71,26 @@ def random_forest_trie(
     return RolloutTrie.from_sequences(seqs)
 
 
+def is_set_name(name: str) -> bool:
+    """Whether :func:`load_set` knows ``name``."""
+    match = re.fullmatch(r"(.+)_x(\d+)", name)
+    return name in DATASETS or name == "random_forest" or bool(
+        match and match.group(1) in DATASETS and int(match.group(2)) >= 1)
+
+
 def load_set(name: str) -> RolloutTrie:
     """A bundled set, ``<bundled set>_x<S>`` (seeds 0..S-1 together) or ``random_forest``."""
+    if not is_set_name(name):
+        raise ValueError(
+            f"unknown set {name!r}: use one of {DATASETS}, '<set>_x<copies>' (e.g. 'grpo_math_x8') "
+            "or 'random_forest'"
+        )
     if name in DATASETS:
         return load_trie(name)
     if name == "random_forest":
         return random_forest_trie()
-    match = re.fullmatch(r"(.+)_x(\d+)", name)
-    if match and match.group(1) in DATASETS and int(match.group(2)) >= 1:
-        base, copies = match.group(1), int(match.group(2))
-        return RolloutTrie.from_sequences([s for seed in range(copies) for s in generate(base, seed)])
-    raise ValueError(
-        f"unknown set {name!r}: use one of {DATASETS}, '<set>_x<copies>' (e.g. 'grpo_math_x8') "
-        "or 'random_forest'"
-    )
+    base, copies = name.rsplit("_x", 1)
+    return RolloutTrie.from_sequences([s for seed in range(int(copies)) for s in generate(base, seed)])
 
 
 def simulate(
@@ -169,18 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--sets", default=",".join(DATASETS + LARGE_SETS), help="comma list (see load_set)")
-    parser.add_argument("--ks", default=",".join(map(str, KS)), help="comma list of rank counts")
-    parser.add_argument("--partitioners", default=",".join(PARTITIONERS))
-    parser.add_argument("--token-budget", type=int, default=None, help="tree tokens per micro-batch")
+    parser.add_argument("--ks", type=int_list, default=list(KS), help="comma list of rank counts")
+    parser.add_argument("--partitioners", type=choice_list(PARTITIONERS), default=list(PARTITIONERS))
+    parser.add_argument("--token-budget", type=positive_int, default=None, help="tree tokens per micro-batch")
     parser.add_argument("--quick", action="store_true", help="bundled sets, K = 2, 4, 8, 16")
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     sets = list(DATASETS) if args.quick else args.sets.split(",")
-    ks = (2, 4, 8, 16) if args.quick else tuple(int(k) for k in args.ks.split(","))
-    partitioners = args.partitioners.split(",")
-    unknown = [p for p in partitioners if p not in PARTITIONERS]
+    ks = (2, 4, 8, 16) if args.quick else tuple(args.ks)
+    partitioners = args.partitioners
+    unknown = [s for s in sets if not is_set_name(s)]
     if unknown:
-        parser.error(f"unknown partitioners {unknown}; choose from {sorted(PARTITIONERS)}")
+        parser.error(f"unknown sets {unknown}: use one of {DATASETS}, '<set>_x<copies>' or 'random_forest'")
     rows = simulate(sets, ks, partitioners, token_budget=args.token_budget, progress=True)
     columns = [
         ("num_ranks", "K"),

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from ..kernels.tuning import LaunchConfig, ScanConfig
 from ..patterns.dilated import DilatedPattern
-from .harness import environment, print_table, time_ms, write_results
+from .harness import add_out_argument, environment, positive_int, print_table, time_ms, write_results
 
 
 @dataclass(frozen=True)
@@ -334,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", choices=["main", "all", "quick"], default=None,
                         help="default: all on a GPU (main = the 128K case only), quick on the CPU")
     parser.add_argument("--backends", default=None, help="comma list of sdpa,flex,triton,reference")
-    parser.add_argument("--flex-max-cases", type=int, default=2, help="time flex on the first K cases only")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--flex-max-cases", type=positive_int, default=2,
+                        help="time flex on the first K cases only")
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--dim", type=positive_int, default=128)
     parser.add_argument("--check", action="store_true", help="check bf16 triton against fp32 (GPU)")
     parser.add_argument("--tune", action="store_true", help="pick attention launch configs on the first case")
     parser.add_argument("--tune-scan", nargs="?", const="all", choices=["all", "persistent"], default=None,
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--tune-scan, after its candidates)")
     parser.add_argument("--no-scan", action="store_true", help="attention only")
     parser.add_argument("--scan-only", action="store_true", help="the scan only")
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()

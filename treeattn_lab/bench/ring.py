@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.cpu_ranks import run_cases, spawn
-from ..distributed.layouts import shard
+from ..distributed.layouts import LAYOUTS, shard
 from ..distributed.ring import ring_sparse_attention
 from ..patterns.vertical_slash import VerticalSlashPattern, synthetic_pattern
+from .harness import add_out_argument, choice_list, positive_int
 
 
 def make_inputs(num_tokens, heads, kv_heads, dim, *, dtype, device, seed):
@@ -147,13 +148,13 @@ def _parse_args(argv):
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node K -m treeattn_lab.bench.ring",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=262144)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layouts", default="striped,zigzag,contiguous")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    parser.add_argument("--tokens", type=positive_int, default=262144)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--kv-heads", type=positive_int, default=16)
+    parser.add_argument("--dim", type=positive_int, default=128)
+    parser.add_argument("--layouts", type=choice_list(LAYOUTS), default=["striped", "zigzag", "contiguous"])
+    parser.add_argument("--reps", type=positive_int, default=5)
+    add_out_argument(parser)
     parser.add_argument("--high-priority", action="store_true",
                         help="NCCL on high-priority streams: transfers start ahead of queued kernel blocks")
     parser.add_argument("--profile", action="store_true",
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
                                 block_size=128 if device.type == "cuda" else 16)
     want, single = _single_device(*inputs, pattern, device)
     rows, profiled = [], []
-    for layout in args.layouts.split(","):
+    for layout in args.layouts:
         row, fwd_bwd = _ring_layout(layout, inputs, want, pattern, rank=rank, world=world, reps=args.reps)
         profiled.append(fwd_bwd)
         rows.append({"tokens": args.tokens, "world": world, "layout": layout,

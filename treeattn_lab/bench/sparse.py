@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..kernels.tuning import LaunchConfig, SparseConfig
 from ..patterns.vertical_slash import synthetic_pattern
-from .harness import environment, print_table, time_ms, write_results
+from .harness import add_out_argument, environment, positive_int, print_table, time_ms, write_results
 
 
 @dataclass
@@ -298,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default=None, help="comma list of dense,flex,triton")
     parser.add_argument("--flex-cases", default="band 32K,band 128K",
                         help="cases that also run flex (it compiles per shape and is slow)")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--dim", type=positive_int, default=128)
     parser.add_argument("--check", action="store_true",
                         help="check the bf16 kernel against fp32 at 4K tokens")
     parser.add_argument("--tune", action="store_true", help="time a few launch settings at a band case")
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of band case sizes (32768, 131072) that --tune and the per-kernel "
                              "breakdown run at")
     parser.add_argument("--ring", type=int, default=262144, help="tokens of the 2-GPU ring (0: skip)")
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..kernels.tuning import LaunchConfig
 from ..trie import RolloutTrie
-from .harness import environment, print_table, time_ms, write_results
+from .harness import add_out_argument, environment, positive_int, print_table, time_ms, write_results
 from .tree import research_cases
 
 # Tile shapes per kernel: (block_m, block_n, num_warps, num_stages). Left out after the first H200 sweep
@@ -156,13 +156,13 @@ def _passes(text: str) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab bench tree-tune", description=__doc__)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=16)
+    parser.add_argument("--dim", type=positive_int, default=128)
     parser.add_argument("--loads", choices=sorted(LOADS), default="both",
                         help="tile loads to sweep: pointer, tma (sm_90+) or both (default)")
     parser.add_argument("--passes", default=",".join(PASSES), type=_passes,
                         help=f"comma-separated sweeps to run, of {','.join(PASSES)} (default: all)")
-    parser.add_argument("--out", default=None)
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench tree-tune needs a CUDA GPU (the interpreter cannot time kernels)")
