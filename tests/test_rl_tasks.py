@@ -89,6 +89,17 @@ def test_max_new_tokens_fits_every_answer():
         assert task.max_new_tokens() >= longest + 1
 
 
+def test_rollout_length_bounds_sampled_rollouts():
+    task = AdditionTask(digits=2, shots=5, turns=3)
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=256, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32))
+    problems = task.problems(64, seed=0)
+    batch = sample(model, task.prompt_ids(problems), num_samples=1, max_new_tokens=task.max_new_tokens(),
+                   eos_token_id=10, forks=(1, 1), environment=task.environment(problems))
+    assert max(batch.trie.seq_lengths) <= task.rollout_length()
+    assert AdditionTask(digits=1, shots=8).rollout_length() <= 64  # the quick experiment's window
+
+
 def test_warm_up_reaches_a_nonzero_reward():
     task = AdditionTask(digits=1, shots=2)
     torch.manual_seed(0)

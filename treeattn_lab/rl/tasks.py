@@ -155,6 +155,13 @@ class AdditionTask:
         """Tokens an answer may need: the digits of the largest sum and ``"\\n"``."""
         return len(str((self.turns + 1) * (10**self.digits - 1))) + 1
 
+    def rollout_length(self) -> int:
+        """A bound on a rollout's tokens: the longest of 64 drawn prompts, then per turn the longest answer,
+        and between turns the environment's question."""
+        prompt = max(len(p.prompt) for p in self.problems(64, seed=0))
+        question = self.max_new_tokens() + self.digits + 2  # "<total>+<operand>="
+        return prompt + self.turns * self.max_new_tokens() + (self.turns - 1) * question
+
     def training_tokens(self, num_lines: int, seed: int = 0) -> torch.Tensor:
         """A stream of ``num_lines`` solved lines ``"a+b=c\\n"`` as byte tokens, for the warm-up."""
         rng = random.Random(seed)
@@ -167,12 +174,16 @@ class AdditionTask:
         *,
         steps: int,
         batch_size: int = 16,
-        seq_len: int = 64,
+        seq_len: int | None = None,
         lr: float = 3e-3,
         seed: int = 0,
         progress: bool = True,
     ) -> dict[str, list]:
-        """Supervised next-byte training on solved lines (the format, and some sums); returns the history."""
+        """Supervised next-byte training on solved lines (the format, and some sums); returns the history.
+
+        ``seq_len``: the training window (None: :meth:`rollout_length`, at least 64), so the model has seen
+        every position a rollout reaches."""
+        seq_len = max(64, self.rollout_length()) if seq_len is None else seq_len
         tokens = self.training_tokens(max(2000, steps * batch_size * seq_len // 8), seed=seed + 7919)
         return train_language_model(
             model,
