@@ -126,7 +126,7 @@ def test_draw_trie_color_by_adds_legend_entries(trie):
 def test_draw_trie_truncates_big_tries_by_bfs():
     big = _big_trie()
     assert big.num_nodes > 300
-    fig = viz.draw_trie(big, max_nodes=100, title="big")
+    fig = viz.draw_trie(big, max_nodes=100, title="big", max_leaves=None)  # every drawn leaf single
     nodes = _trace(fig, "nodes")
     assert len(nodes.x) == 101  # the root plus 100 nodes
     assert set(nodes.customdata) == set(viz.bfs_nodes(big.to_networkx(), 0, limit=101))
@@ -135,6 +135,39 @@ def test_draw_trie_truncates_big_tries_by_bfs():
     assert any("not drawn" in t for t in nodes.text)
     with pytest.raises(ValueError):
         viz.draw_trie(big, max_nodes=0)
+
+
+def test_draw_trie_bundles_sibling_leaves_of_a_wide_trie_but_keeps_the_highlight():
+    # one prompt, 60 answers of different lengths: 60 sibling leaves
+    trie = RolloutTrie.from_sequences([[1, 2, 3] + [10 + i] * (1 + i % 7) for i in range(60)])
+    leaves = [n for n in trie.leaves()]
+    path = trie.path(trie.seq_end_node[7])
+    fig = viz.draw_trie(trie, highlight=path, max_leaves=20)
+    nodes, bundles = _trace(fig, "nodes"), _trace(fig, "bundled leaves")
+    assert len(bundles.x) == 1 and sorted(bundles.customdata[0]) == sorted(set(leaves) - set(path))
+    assert bundles.text[0] == f"x{len(leaves) - 1}"
+    assert set(nodes.customdata) == {0, *path}  # the highlighted leaf is still drawn on its own
+    assert list(nodes.customdata)[-len(path) :] == sorted(path, key=list(nodes.customdata).index)  # on top
+    assert "59 in all" in fig.layout.title.text
+    # every node's token count is still in the hover of its bundle's members
+    assert (
+        f"tokens: {sum(len(trie.nodes[n].tokens) for n in bundles.customdata[0])} in all"
+        in bundles.hovertext[0]
+    )
+    # narrow enough: nothing bundled
+    assert not [t for t in viz.draw_trie(trie, max_leaves=60).data if t.name == "bundled leaves"]
+    with pytest.raises(ValueError, match="max_leaves"):
+        viz.draw_trie(trie, max_leaves=0)
+
+
+def test_draw_trie_markers_fit_the_room_of_a_leaf():
+    # 100 sibling leaves of 1,000 tokens each: unscaled markers would be about 77 px wide and overlap
+    trie = RolloutTrie.from_sequences([[1, 2] + [100 + i] * 1000 for i in range(100)])
+    nodes = _trace(viz.draw_trie(trie, max_leaves=None), "nodes")
+    assert max(nodes.marker.size) <= 0.9 * 860 / 100 + 1e-9
+    size = dict(zip(nodes.customdata, nodes.marker.size, strict=True))
+    assert size[trie.seq_end_node[0]] > size[1]  # a 1,000-token leaf against the 2-token prompt
+    assert viz.draw_trie(trie).layout.width is None  # the figure takes the output area's width
 
 
 # ------------------------------------------------------------------------------------ masks

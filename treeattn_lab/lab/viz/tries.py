@@ -1,7 +1,8 @@
 """Drawing a rollout trie: a tidy layered tree, one marker per radix node.
 
 - :func:`draw_trie`: the trie, marker area by token count, optionally one rollout highlighted or the
-  nodes coloured by category (a micro-batch, a rank).
+  nodes coloured by category (a micro-batch, a rank). A wide trie stays readable: markers shrink to the
+  room each leaf has, and sibling leaves are bundled into one marker once there are too many to draw.
 - :func:`tree_layout` / :func:`bfs_nodes` / :func:`node_size`: the layout pieces, reused by the drawings
   of the DFS engine's blocks.
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...trie import RolloutTrie
 
 _MAX_ENDS_SHOWN = 12
+PLOT_WIDTH_PX = 860  # the plot area's width in a notebook (the figure autosizes to the output area)
+MAX_MARKER_PX = 40  # no node marker is drawn wider than this, however many tokens it holds
+MIN_MARKER_PX = 4
 
 
 def bfs_nodes(graph: networkx.DiGraph, root: Hashable = 0, limit: int | None = None) -> list:
@@ -64,6 +68,38 @@ def tree_layout(graph: networkx.DiGraph, root: Hashable = 0) -> dict[Hashable, t
 def node_size(num_tokens: int) -> float:
     """Marker diameter in pixels: grows with the square root of the node's token count."""
     return 7.0 + 2.2 * math.sqrt(num_tokens)
+
+
+def _bundle_leaves(full: networkx.DiGraph, graph: networkx.DiGraph, keep: set, category, max_leaves) -> dict:
+    """``{bundle: leaves}``: when the drawn ``graph`` has more than ``max_leaves`` leaves, each parent's
+    leaf children of one category become one bundle ``("bundle", parent, category)``. Only leaves of the
+    whole trie (``full``) are bundled, never a node whose children were cut by ``max_nodes``; the leaves
+    in ``keep`` (the highlighted path) stay single. Empty when the tree is narrow enough."""
+    leaves = [n for n in graph if graph.out_degree(n) == 0 and n != 0]
+    if max_leaves is None or len(leaves) <= max_leaves:
+        return {}
+    groups: dict[tuple, list] = {}
+    for leaf in leaves:
+        if leaf not in keep and full.out_degree(leaf) == 0:
+            parent = next(iter(graph.predecessors(leaf)))
+            groups.setdefault(("bundle", parent, category(leaf)), []).append(leaf)
+    return {key: members for key, members in groups.items() if len(members) > 1}
+
+
+def _bundled_graph(graph: networkx.DiGraph, bundles: dict) -> networkx.DiGraph:
+    """``graph`` with each bundle's leaves replaced by one vertex, the bundle, under their parent."""
+    drawn = graph.copy()
+    for key, members in bundles.items():
+        drawn.remove_nodes_from(members)
+        drawn.add_edge(key[1], key)
+    return drawn
+
+
+def _marker_scale(sizes: list[float], num_leaves: int) -> float:
+    """The factor that shrinks every marker (areas keep their ratios) so the largest fits the room one leaf
+    has across the plot, and never exceeds :data:`MAX_MARKER_PX`."""
+    room = min(MAX_MARKER_PX, max(MIN_MARKER_PX, 0.9 * PLOT_WIDTH_PX / max(1, num_leaves)))
+    return min(1.0, room / max(sizes))
 
 
 def _hover(node: int, attrs: dict, hidden_children: int) -> str:
@@ -111,8 +147,10 @@ def _node_color(n, highlighted: set, color_by, cat_color) -> str:
     return DIMMED_COLOR if highlighted else NODE_COLOR
 
 
-def _node_trace(full, graph, kept, pos, highlighted: set, color_by, cat_color) -> go.Scatter:
-    """One marker per kept node: size by token count, colour by highlight or category, hover text."""
+def _node_trace(full, graph, kept, pos, highlighted: set, color_by, cat_color, scale: float) -> go.Scatter:
+    """One marker per drawn node: size by token count, colour by highlight or category, hover text. The
+    highlighted nodes come last, so they are drawn on top."""
+    kept = sorted(kept, key=lambda n: n in highlighted)
     colors = [_node_color(n, highlighted, color_by, cat_color) for n in kept]
     return go.Scatter(
         x=[pos[n][0] for n in kept],
@@ -124,9 +162,44 @@ def _node_trace(full, graph, kept, pos, highlighted: set, color_by, cat_color) -
         text=[_hover(n, full.nodes[n], full.out_degree(n) - graph.out_degree(n)) for n in kept],
         hovertemplate="%{text}<extra></extra>",
         marker=dict(
-            size=[node_size(full.nodes[n]["num_tokens"]) for n in kept],
+            size=[max(MIN_MARKER_PX, scale * node_size(full.nodes[n]["num_tokens"])) for n in kept],
             color=colors,
             line=dict(width=[2.5 if n in highlighted else 0.5 for n in kept], color="#333333"),
+            opacity=0.95,
+        ),
+    )
+
+
+def _bundle_trace(full, bundles: dict, pos, colors: dict, scale: float) -> go.Scatter:
+    """One diamond per bundle of sibling leaves, sized as their mean leaf, hover naming how many and which."""
+    keys = list(bundles)
+    tokens = [sum(full.nodes[n]["num_tokens"] for n in bundles[k]) for k in keys]
+    text = [
+        f"<b>{len(bundles[k])} leaves of node {k[1]}</b><br>tokens: {t} in all<br>"
+        f"nodes: {', '.join(str(n) for n in bundles[k][:_MAX_ENDS_SHOWN])}"
+        + (" ..." if len(bundles[k]) > _MAX_ENDS_SHOWN else "")
+        for k, t in zip(keys, tokens, strict=True)
+    ]
+    return go.Scatter(
+        x=[pos[k][0] for k in keys],
+        y=[pos[k][1] for k in keys],
+        mode="markers+text",
+        name="bundled leaves",
+        showlegend=False,
+        customdata=[list(bundles[k]) for k in keys],
+        text=[f"x{len(bundles[k])}" for k in keys],
+        textposition="bottom center",
+        textfont=dict(size=10, color="#555555"),
+        hovertext=text,
+        hovertemplate="%{hovertext}<extra></extra>",
+        marker=dict(
+            symbol="diamond",
+            size=[
+                max(MIN_MARKER_PX, scale * node_size(t / len(bundles[k])))
+                for k, t in zip(keys, tokens, strict=True)
+            ],
+            color=[colors[k] for k in keys],
+            line=dict(width=0.5, color="#333333"),
             opacity=0.95,
         ),
     )
@@ -144,7 +217,7 @@ def _edge_trace(xs, ys, name: str, color: str, width: float) -> go.Scatter:
     )
 
 
-def _trie_layout(fig, trie, title, shown: int, truncated: bool, depth: int, categories) -> None:
+def _trie_layout(fig, trie, title, shown: int, truncated: bool, depth: int, categories, bundled: int) -> None:
     s = trie.stats()
     head = title or "Rollout trie"
     sub = (
@@ -153,6 +226,8 @@ def _trie_layout(fig, trie, title, shown: int, truncated: bool, depth: int, cate
     )
     if truncated:
         sub += f"; showing the first {shown} of {s['num_nodes']} nodes (BFS)"
+    if bundled:
+        sub += f"; each diamond bundles N sibling leaves (xN), {bundled} in all"
     fig.update_layout(
         title=dict(text=f"{head}<br><sup>{sub}</sup>"),
         template="plotly_white",
@@ -166,8 +241,8 @@ def _trie_layout(fig, trie, title, shown: int, truncated: bool, depth: int, cate
             showgrid=False,
         ),
         height=max(320, min(900, 140 + 60 * (depth + 1))),
-        margin=dict(l=60, r=20, t=80, b=30),
-        legend=dict(title="category") if categories else None,
+        margin=dict(l=60, r=20, t=80, b=60 if categories else 30),
+        legend=dict(title="category", orientation="h", x=0, y=0, yanchor="top") if categories else None,
     )
 
 
@@ -178,6 +253,7 @@ def draw_trie(
     highlight: Iterable[int] | None = None,
     color_by: Mapping[int, Hashable] | None = None,
     title: str | None = None,
+    max_leaves: int | None = 48,
 ) -> go.Figure:
     """Draw a :class:`RolloutTrie`: one marker per radix node, parent -> child edges as lines.
 
@@ -191,13 +267,19 @@ def draw_trie(
             other nodes are dimmed and the edges between highlighted nodes (and the root) drawn red.
         color_by: ``{node id: category}`` colours the nodes by category (one legend entry each);
             nodes missing from the dict keep the default colour.
+        max_leaves: when the drawn tree has more leaves than this, the leaf children of one parent (and
+            one category) are drawn as one diamond, sized by their tokens and labelled with their count
+            (trace ``"bundled leaves"``); the highlighted leaf stays single. ``None`` draws every leaf.
+
+    Markers shrink together (their areas keep their ratios) so the largest fits the room a leaf has.
     """
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be at least 1, got {max_nodes}")
+    if max_leaves is not None and max_leaves < 1:
+        raise ValueError(f"max_leaves must be at least 1 or None, got {max_leaves}")
     full = trie.to_networkx()
     kept = bfs_nodes(full, 0, limit=max_nodes + 1)
     graph = full.subgraph(kept)
-    pos = tree_layout(graph, 0)
 
     hi = set(highlight) if highlight is not None else set()
     unknown = hi - set(full.nodes)
@@ -208,16 +290,31 @@ def draw_trie(
         categories = sorted({color_by[n] for n in color_by}, key=lambda c: (str(type(c)), c))
     cat_color = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(categories)}
 
-    ex, ey, hx, hy = _edge_segments(graph, pos, hi)
+    bundles = _bundle_leaves(full, graph, hi, lambda n: (color_by or {}).get(n), max_leaves)
+    drawn = _bundled_graph(graph, bundles) if bundles else graph
+    pos = tree_layout(drawn, 0)
+    singles = [n for n in kept if n in drawn]
+    plain = DIMMED_COLOR if hi else NODE_COLOR
+    bundle_colors = {k: plain if k[2] is None else cat_color[k[2]] for k in bundles}
+    sizes = [node_size(full.nodes[n]["num_tokens"]) for n in singles]
+    sizes += [node_size(sum(full.nodes[n]["num_tokens"] for n in m) / len(m)) for m in bundles.values()]
+    scale = _marker_scale(sizes, sum(1 for n in drawn if drawn.out_degree(n) == 0))
+
+    ex, ey, hx, hy = _edge_segments(drawn, pos, hi)
     fig = go.Figure()
     fig.add_trace(_edge_trace(ex, ey, "edges", EDGE_COLOR, 1))
     if hx:
         fig.add_trace(_edge_trace(hx, hy, "highlighted edges", HIGHLIGHT_COLOR, 3))
-    fig.add_trace(_node_trace(full, graph, kept, pos, hi, color_by, cat_color))
+    if bundles:
+        fig.add_trace(_bundle_trace(full, bundles, pos, bundle_colors, scale))
+    fig.add_trace(_node_trace(full, graph, singles, pos, hi, color_by, cat_color, scale))
     for c in categories:  # legend-only entries, so the colours can be read
         fig.add_trace(legend_entry(str(c), dict(size=10, color=cat_color[c]), showlegend=True))
-    depth = int(max(-pos[n][1] for n in kept))
-    _trie_layout(fig, trie, title, len(kept) - 1, len(kept) < full.number_of_nodes(), depth, categories)
+    depth = int(max(-y for _, y in pos.values()))
+    bundled = sum(len(m) for m in bundles.values())
+    _trie_layout(
+        fig, trie, title, len(kept) - 1, len(kept) < full.number_of_nodes(), depth, categories, bundled
+    )
     return fig
 
 
