@@ -41,6 +41,7 @@ def test_step0_gradients_flat_and_tree_agree(task, config, tree_mode):
     flat = GRPO(copy.deepcopy(model), task, config, mode="flat", seed=3)
     tree = GRPO(copy.deepcopy(model), task, config, mode="tree", seed=3)
     rollouts = flat.rollouts(0)
+    flat.score(rollouts)
     # random advantages: an untrained model's rewards tie, which would leave nothing to compare
     rollouts.advantages = torch.randn(rollouts.rewards.shape, generator=torch.Generator().manual_seed(0))
     g_flat, g_tree = gradients(flat, rollouts), gradients(tree, rollouts)

@@ -38,7 +38,6 @@ import torch
 
 from ..reference import TinyLM, TinyLMConfig
 from ..rl.grpo import GRPO, PHASES, GRPOConfig
-from ..rl.objectives import group_advantages
 from ..rl.tasks import VOCAB_SIZE, AdditionTask
 
 BENCH_NAME = "grpo-tree"
@@ -102,7 +101,7 @@ def gradient_check(model, task, cfg: ExperimentConfig, seed: int) -> float:
         trainer = GRPO(copy.deepcopy(model), task, cfg.grpo(), mode=loop, seed=seed)
         if rollouts is None:
             rollouts = trainer.rollouts(0, generator=generator)
-            rollouts.advantages = group_advantages(rollouts.rewards, rollouts.batch.group_size)
+            trainer.score(rollouts)
             if not rollouts.advantages.any():
                 rollouts.advantages = torch.randn(rollouts.advantages.shape, generator=generator)
         trainer.backward(rollouts, trainer.objective(rollouts))

@@ -28,7 +28,7 @@ import copy
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -86,12 +86,12 @@ class GRPOConfig:
 
 @dataclass
 class Rollouts:
-    """What phase 1 and 2 produce: the problems, the sampled batch, rewards and advantages."""
+    """What phases 1 and 2 produce: the problems and the sampled batch, then rewards and advantages."""
 
     problems: list
     batch: object  # treeattn_lab.rl.SampleBatch
-    rewards: torch.Tensor
-    advantages: torch.Tensor = field(default=None)
+    rewards: torch.Tensor | None = None  # [rollouts], set by GRPO.score
+    advantages: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -161,7 +161,7 @@ class GRPO:
 
     # ---------------------------------------------------------------------------------------------- phases
     def rollouts(self, step: int, generator: torch.Generator | None = None) -> Rollouts:
-        """Phases 1 and 2: sample the step's problems and score the rollouts."""
+        """Phase 1: the step's problems and their sampled rollouts."""
         cfg, task = self.config, self.task
         problems = task.problems(cfg.prompts_per_step, seed=self.seed * 1_000_003 + step)
         batch = sample(
@@ -176,7 +176,14 @@ class GRPO:
             forks=self.forks,
             environment=task.environment(problems),
         )
-        return Rollouts(problems, batch, task.rewards(problems, batch))
+        return Rollouts(problems, batch)
+
+    def score(self, rollouts: Rollouts) -> None:
+        """Phase 2: every rollout's reward, and its group-relative advantage."""
+        rollouts.rewards = self.task.rewards(rollouts.problems, rollouts.batch)
+        rollouts.advantages = group_advantages(
+            rollouts.rewards, rollouts.batch.group_size, scale=self.config.advantage_scale
+        )
 
     def objective(self, rollouts: Rollouts):
         """Phase 3: the old (and reference) policy's log-probs over the trie, closed into the objective."""
@@ -209,9 +216,7 @@ class GRPO:
         with timed(times, "sample", self.device):
             rollouts = self.rollouts(step)
         with timed(times, "reward", self.device):
-            rollouts.advantages = group_advantages(
-                rollouts.rewards, rollouts.batch.group_size, scale=cfg.advantage_scale
-            )
+            self.score(rollouts)
         with timed(times, "logprobs", self.device):
             objective = self.objective(rollouts)
         losses, grad_norms = [], []
