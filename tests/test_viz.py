@@ -11,6 +11,7 @@ import torch
 
 from treeattn_lab import RolloutTrie
 from treeattn_lab.lab import viz
+from treeattn_lab.lab.viz import style
 
 SEQS = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6], [7, 8], [1, 2, 5, 6]]
 
@@ -334,3 +335,29 @@ def test_speed_sweep_updates_a_figure_widget():
     widget = go.FigureWidget(viz.draw_speed_sweep(["flex"]))
     viz.add_speed_point(widget, {"backend": "flex", "fwd_bwd_ms": 1.5, "fwd_bwd_tflops": 300.0}, x=128)
     assert [list(t.y) for t in widget.data] == [[1.5], [300.0]]
+
+
+# ------------------------------------------------------------------------------------ figures fit
+def _assert_fits(fig: go.Figure) -> None:
+    """No wider than the output area allows, and the top margin holds every line of the title."""
+    width = fig.layout.width
+    assert width is None or width <= style.MAX_FIGURE_WIDTH, width
+    text = fig.layout.title.text or ""
+    if text:
+        lines = text.count("<br>") + 1
+        assert fig.layout.margin.t >= 30 + 22 * lines, (fig.layout.margin.t, text)
+        if width:  # each line short enough for the figure's width
+            longest = max(len(part.replace("<sup>", "").replace("</sup>", "")) for part in text.split("<br>"))
+            assert longest * 0.55 * 17 <= width * 1.45, text
+
+
+def test_mask_drawings_fit_with_long_titles_and_many_panels():
+    long = "The same pairs as one varlen batch: a bottom-right causal block per leaf, " * 2
+    small = torch.ones(6, 6, dtype=torch.bool).tril()
+    fig = viz.draw_mask(small, title=long)
+    _assert_fits(fig)
+    assert fig.layout.title.text.count("<br>") >= 1  # wrapped, not cut
+    big = torch.ones(48, 48, dtype=torch.bool).tril()
+    side_by_side = viz.draw_masks_side_by_side({"a": big, "b": big, "c": big}, title=long)
+    _assert_fits(side_by_side)
+    assert side_by_side.layout.width == style.MAX_FIGURE_WIDTH  # three 48-token masks: as wide as allowed

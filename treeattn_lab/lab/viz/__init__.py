@@ -19,6 +19,7 @@ module                    what it draws
 :mod:`.ring`              sparse ring attention: who computes which tile, work per (rank, step)
 :mod:`.gpu_timeline`      a profiled run: kernels and NCCL transfers per stream over time
 :mod:`.bench`             benchmark result files and figures (tree, train, sparse; live speed sweeps)
+:mod:`.rl`                a sampled GRPO batch's trie with text, live reward and time panels, phase times
 :mod:`.style`             the shared colours, colour scales, legend entries and tables
 ========================  ==========================================================================
 """
@@ -52,6 +53,7 @@ from .gpu_timeline import FAMILY_COLORS, draw_gpu_timeline
 from .masks import draw_mask, draw_masks_side_by_side, flat_causal_mask
 from .micro_batches import draw_micro_batch_table, draw_micro_batches, micro_batch_choices, micro_batch_colors
 from .ring import draw_layouts, draw_ring_work
+from .rl import LOOP_COLORS, add_grpo_record, draw_grpo_live, draw_phase_times, draw_sampled_trie
 from .sparse_patterns import draw_attention_maps, draw_pattern, draw_recall
 from .stats import draw_stats_bars, draw_stats_table
 from .style import (
@@ -74,6 +76,7 @@ __all__ = [
     "EDGE_COLOR",
     "FAMILY_COLORS",
     "HIGHLIGHT_COLOR",
+    "LOOP_COLORS",
     "MASK_COLORSCALE",
     "MODE_COLORS",
     "NODE_COLOR",
@@ -86,6 +89,7 @@ __all__ = [
     "TILE_NAMES",
     "TILE_PARTIAL",
     "TILE_SKIPPED",
+    "add_grpo_record",
     "add_speed_point",
     "bfs_nodes",
     "draw_attention_maps",
@@ -95,6 +99,7 @@ __all__ = [
     "draw_dfs_timeline",
     "draw_gpu_timeline",
     "draw_gradient_errors",
+    "draw_grpo_live",
     "draw_held_tokens",
     "draw_layouts",
     "draw_mask",
@@ -104,10 +109,12 @@ __all__ = [
     "draw_mode_memory",
     "draw_partition",
     "draw_pattern",
+    "draw_phase_times",
     "draw_rank_loads",
     "draw_rank_timeline",
     "draw_recall",
     "draw_ring_work",
+    "draw_sampled_trie",
     "draw_sparse_bench",
     "draw_speed_sweep",
     "draw_stats_bars",

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import MASK_COLORSCALE
+from .style import MASK_COLORSCALE, fit_title, fit_width
 
 
 def _as_bool_rows(mask) -> list[list[int]]:
@@ -52,12 +52,15 @@ def draw_mask(mask_bool_2d, *, title: str | None = None, x_title: str = "key", y
     fig = go.Figure(_mask_heatmap(rows, x_title=x_title, y_title=y_title))
     n_q, n_k = len(rows), len(rows[0])
     side = max(300, min(700, 12 * max(n_q, n_k) + 120))
+    width = fit_width(max(side, 480))  # room for the title beside a small mask
+    text, lines = fit_title(title or f"mask {n_q} x {n_k}: {sum(map(sum, rows))} pairs attended", width)
+    top = 70 + 22 * lines  # the title, then the key axis (ticks and title) on top of the mask
     fig.update_layout(
-        title=dict(text=title or f"mask {n_q} x {n_k}: {sum(map(sum, rows))} pairs attended"),
+        title=dict(text=text, y=1, yanchor="top", pad=dict(t=10)),
         template="plotly_white",
-        width=side,
-        height=side,
-        margin=dict(l=60, r=20, t=60, b=50),
+        width=width,
+        height=side + top - 10,
+        margin=dict(l=60, r=20, t=top, b=20),
     )
     fig.update_xaxes(title=x_title, side="top", constrain="domain", showgrid=False)
     fig.update_yaxes(title=y_title, autorange="reversed", scaleanchor="x", constrain="domain", showgrid=False)
@@ -115,13 +118,16 @@ def draw_masks_side_by_side(
             col=i,
         )
     biggest = max(sizes)
-    height = max(320, min(700, 10 * biggest + 140))
+    width = fit_width(max(600, len(all_rows) * min(560, 10 * biggest + 60) + 80))
+    panel = (width - 80) * biggest / sum(sizes) * (1 - 0.06 * (len(all_rows) - 1))  # the biggest panel's side
+    text, lines = fit_title(title, width) if title else ("", 0)
+    top = 70 + 22 * lines  # the title, then two lines of subplot title
     fig.update_layout(
-        title=dict(text=title) if title else None,
+        title=dict(text=text, y=1, yanchor="top", pad=dict(t=10)) if title else None,
         template="plotly_white",
-        height=height,
-        width=max(600, min(1400, int(height * len(all_rows) * 0.95))),
-        margin=dict(l=60, r=20, t=90 if title else 70, b=50),
+        height=int(max(260, panel) + top + 50),
+        width=width,
+        margin=dict(l=60, r=20, t=top, b=50),
     )
     return fig
 

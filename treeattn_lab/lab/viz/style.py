@@ -1,4 +1,8 @@
-"""The look every drawing shares: colours, colour scales, legend entries, wrapped titles.
+"""The look every drawing shares: colours, colour scales, legend entries, wrapped titles, widths that fit.
+
+A figure fits JupyterLab's output area at a 1280-px window (about 1100 px): a drawing either autosizes
+(no ``width``) or sets a width of at most :data:`MAX_FIGURE_WIDTH`; titles are wrapped to the figure's
+width (:func:`fit_title`) with the top margin they need, and legends sit beside or below the data.
 
 Colours name what they show, so the same thing has the same colour in every notebook: a highlighted
 rollout is :data:`HIGHLIGHT_COLOR` on a trie and on the DFS stack, a backend or an engine mode keeps its
@@ -23,6 +27,9 @@ PALETTE = qualitative.Plotly  # categories, partitioners and ranks, in order
 MASK_COLORSCALE = [[0.0, "#F4F4F4"], [1.0, "#2F5D8A"]]  # masked, attended
 BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "reference": "#72B7B2"}
 MODE_COLORS = {"flat": "#888888", "packed": "#4C78A8", "dfs": "#E45756", "auto": "#54A24B"}
+MAX_FIGURE_WIDTH = 980  # px: the widest a drawing sets; the output area at a 1280-px window is wider
+TITLE_FONT_PX = 17  # plotly's default title size
+LOG_AXIS = dict(type="log", exponentformat="power")  # log axes tick as 10^3, not 1e+3 or 1k
 TABLE_HEADER_COLOR = "#2F5D8A"
 TABLE_CELL_COLOR = "#F7F7F7"
 
@@ -51,6 +58,28 @@ def legend_entry(name: str, marker: dict, **trace) -> go.Scatter:
 def wrap(text: str, width: int = 100) -> str:
     """``text`` broken into lines of at most ``width`` characters with ``<br>`` (plotly titles)."""
     return "<br>".join(textwrap.wrap(text, width))
+
+
+def fit_width(px: float) -> int:
+    """``px`` capped at :data:`MAX_FIGURE_WIDTH`: the width a drawing may set."""
+    return int(min(MAX_FIGURE_WIDTH, px))
+
+
+def fit_title(text: str, width_px: float) -> tuple[str, int]:
+    """``text`` (plotly title markup: lines split by ``<br>``, a ``<sup>...</sup>`` line is a subtitle in
+    smaller type) wrapped to a figure ``width_px`` wide, and the number of lines it takes.
+
+    Give the layout ``margin.t`` of at least ``30 + 22 * lines`` (plus whatever sits above the plot,
+    an axis on top or subplot titles) and the title is never cut.
+    """
+    chars = max(24, int((width_px - 40) / (0.55 * TITLE_FONT_PX)))
+    lines = []
+    for part in text.split("<br>"):
+        sup = part.startswith("<sup>") and part.endswith("</sup>")
+        body = part[5:-6] if sup else part
+        pieces = textwrap.wrap(body, int(chars * 1.45) if sup else chars) or [""]
+        lines += [f"<sup>{p}</sup>" for p in pieces] if sup else pieces
+    return "<br>".join(lines), len(lines)
 
 
 def table_figure(
