@@ -361,3 +361,31 @@ def test_mask_drawings_fit_with_long_titles_and_many_panels():
     side_by_side = viz.draw_masks_side_by_side({"a": big, "b": big, "c": big}, title=long)
     _assert_fits(side_by_side)
     assert side_by_side.layout.width == style.MAX_FIGURE_WIDTH  # three 48-token masks: as wide as allowed
+
+
+def test_sparse_and_ring_drawings_fit_and_name_their_colours():
+    from treeattn_lab.distributed.simulate import simulate
+    from treeattn_lab.patterns.vertical_slash import synthetic_pattern
+
+    probs = torch.rand(6, 32, 32).tril().softmax(-1)
+    maps = viz.draw_attention_maps(probs, [f"head {i}" for i in range(6)], title="six heads " * 20)
+    _assert_fits(maps)
+    assert sum(bool(t.showscale) for t in maps.data) == 1  # one colour bar, beside the maps (right margin)
+    assert maps.layout.margin.r >= 80
+    recall = viz.draw_recall([4, 16, 64], {"layer 0": [0.5, 0.8, 0.97]})
+    assert list(recall.layout.xaxis.tickvals) == [4, 16, 64] and recall.layout.xaxis.exponentformat == "power"
+    pattern = synthetic_pattern(1024, 2, n_vertical=8, n_slash=16, sinks=4, local=32, block_size=64, seed=0)
+    layouts = viz.draw_layouts(pattern, 1024, world=4, layouts=["contiguous", "zigzag", "striped"])
+    _assert_fits(layouts)
+    assert {t.name for t in layouts.data if t.showlegend} == {f"rank {r}" for r in range(4)}
+    works = {name: simulate(pattern, 1024, 4, name) for name in ("contiguous", "zigzag", "striped")}
+    ring = viz.draw_ring_work(works)
+    _assert_fits(ring)
+    assert ring.layout.legend.orientation == "h"  # the bars' legend below, away from the colour bar
+
+
+def test_bar_labels_leave_the_no_saving_line_to_the_legend(trie):
+    bars = viz.draw_stats_bars({"a": trie.stats(), "b": trie.stats()})
+    assert not bars.layout.annotations  # no text on the dashed line, where a bar label may sit
+    assert "1 = no saving" in {t.name for t in bars.data}
+    _assert_fits(bars)

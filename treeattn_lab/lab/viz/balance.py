@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import PALETTE
+from .style import LOG_AXIS, PALETTE
 from .tries import draw_trie
 
 REPLICATED = "replicated"
@@ -108,7 +108,7 @@ def draw_balance_sweep(
                 col=s % cols + 1,
             )
     fig.update_xaxes(type="log", dtick=0.30103, title_text="ranks K")  # ticks at powers of two
-    fig.update_yaxes(type="log" if log_y else "linear")
+    fig.update_yaxes(**(LOG_AXIS if log_y else dict(type="linear")))
     fig.update_layout(
         title=title or f"{metric} against the number of ranks",
         height=90 + 300 * grid_rows,

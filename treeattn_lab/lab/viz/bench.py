@@ -47,9 +47,10 @@ def _add_speedup_bars(fig, rows, cases, backends, by) -> None:
             labelled_bar(
                 cases,
                 ys,
-                [f"{y:.2f}x" if y is not None else "" for y in ys],
+                [f"{y:.2f}" if y is not None else "" for y in ys],
                 name=b,
                 legendgroup=b,
+                textfont=dict(size=10),  # three labels side by side per case stay apart
                 marker_color=BACKEND_COLORS.get(b),
                 hovertemplate=f"{b}<br>%{{x}}: %{{y:.2f}}x<extra></extra>",
             ),
@@ -61,8 +62,9 @@ def _add_speedup_bars(fig, rows, cases, backends, by) -> None:
         labelled_bar(
             cases,
             ideal,
-            [f"{y:.2f}x" for y in ideal],
+            [f"{y:.2f}" for y in ideal],
             name="ideal",
+            textfont=dict(size=10),
             marker_color="#CCCCCC",
             hovertemplate="ideal<br>%{x}: %{y:.2f}x<extra></extra>",
         ),
@@ -121,7 +123,8 @@ def draw_bench_summary(
         template="plotly_white",
         barmode="group",
         height=820,
-        margin=dict(l=60, r=20, t=90, b=40),
+        margin=dict(l=60, r=20, t=90, b=90),
+        legend=dict(orientation="h", x=0, y=-0.12, yanchor="top"),  # below the case labels
     )
     fig.update_yaxes(title="x over flat", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title="TFLOP/s", rangemode="tozero", row=2, col=1)

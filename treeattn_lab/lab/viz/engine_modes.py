@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import HIGHLIGHT_COLOR, MODE_COLORS, PALETTE, labelled_bar
+from .style import HIGHLIGHT_COLOR, LOG_AXIS, MODE_COLORS, PALETTE, labelled_bar
 
 MIB = 2**20
 
@@ -102,7 +102,7 @@ def draw_gradient_errors(
         title=dict(text=title or "Largest relative gradient error per parameter, against flat training"),
         template="plotly_white",
         height=360,
-        yaxis=dict(type="log", title="relative error"),
+        yaxis=dict(title="relative error", **LOG_AXIS),
         margin=dict(l=60, r=20, t=60, b=40),
     )
     return fig

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .style import PALETTE, labelled_bar, stepped_colorscale
+from .style import PALETTE, fit_width, labelled_bar, legend_entry, stepped_colorscale
 
 
 def draw_layouts(pattern, num_tokens: int, world: int, layouts: Sequence[str], *, head: int = 0) -> go.Figure:
@@ -39,19 +39,32 @@ def draw_layouts(pattern, num_tokens: int, world: int, layouts: Sequence[str], *
             (1, owner[None].numpy(), "block %{x}: rank %{z}"),
             (2, z, "query block %{y}, key block %{x}: rank %{z}"),
         ):
-            heatmap = go.Heatmap(z=values, zmin=0, zmax=world, colorscale=colorscale, showscale=False,
-                                 hovertemplate=hover + "<extra></extra>")
+            heatmap = go.Heatmap(
+                z=values,
+                zmin=0,
+                zmax=world,
+                colorscale=colorscale,
+                showscale=False,
+                hovertemplate=hover + "<extra></extra>",
+            )
             fig.add_trace(heatmap, row=row, col=i)
         fig.update_yaxes(autorange="reversed", row=2, col=i, showticklabels=i == 1)
         fig.update_yaxes(showticklabels=False, row=1, col=i)
         fig.update_xaxes(showticklabels=False, row=1, col=i)
+    for r in range(world):  # a heatmap of ranks names no colour itself
+        marker = dict(symbol="square", size=12, color=PALETTE[r % len(PALETTE)])
+        fig.add_trace(legend_entry(f"rank {r}", marker, showlegend=True), row=2, col=1)
+    width = fit_width(300 * len(layouts) + 80)
     fig.update_layout(
-        title=f"Who computes which tile ({world} ranks, colours = ranks)",
+        title=f"Who computes which tile ({world} ranks)",
         template="plotly_white",
-        height=430,
-        width=min(1400, 360 * len(layouts) + 80),
-        margin=dict(l=40, r=20, t=80, b=30),
+        height=int(150 + (width - 80) / len(layouts)),
+        width=width,
+        margin=dict(l=40, r=20, t=80, b=80),
         plot_bgcolor="#F4F4F4",
+        legend=dict(
+            orientation="h", x=0, y=-0.1, yanchor="top", title="colour = the rank that computes the tile:"
+        ),
     )
     return fig
 
@@ -64,7 +77,7 @@ def draw_ring_work(works: Mapping[str, object], *, metric: str = "pairs") -> go.
         rows=2,
         cols=len(names),
         specs=[[{}] * len(names), [{"colspan": len(names)}] + [None] * (len(names) - 1)],
-        subplot_titles=[f"{n}: work per (rank, step)" for n in names] + ["imbalance"],
+        subplot_titles=[n.replace(", ", ",<br>") for n in names] + ["imbalance (max / mean rank)"],
         vertical_spacing=0.14,
         row_heights=[0.55, 0.45],
     )
@@ -78,6 +91,7 @@ def draw_ring_work(works: Mapping[str, object], *, metric: str = "pairs") -> go.
                 zmax=top,
                 colorscale="Blues",
                 showscale=i == len(names),
+                colorbar=dict(title=dict(text=metric, side="right"), len=0.5, y=1, yanchor="top", x=1.02),
                 hovertemplate="rank %{y}, step %{x}: %{z:.3g}<extra></extra>",
             ),
             row=1,
@@ -101,7 +115,12 @@ def draw_ring_work(works: Mapping[str, object], *, metric: str = "pairs") -> go.
     fig.add_hline(y=1.0, line_dash="dash", line_color="#666", row=2, col=1)
     fig.update_yaxes(title="max / mean", rangemode="tozero", row=2, col=1)
     fig.update_layout(
-        template="plotly_white", barmode="group", height=640, margin=dict(l=50, r=20, t=60, b=30)
+        title="Work per (rank, ring step) of each layout, and its imbalance",
+        template="plotly_white",
+        barmode="group",
+        height=680,
+        margin=dict(l=50, r=90, t=100, b=40),
+        legend=dict(orientation="h", x=0, y=-0.06, yanchor="top"),
     )
     return fig
 

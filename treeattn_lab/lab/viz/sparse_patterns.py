@@ -13,41 +13,58 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from .style import MASK_COLORSCALE
+from .style import LOG_AXIS, MASK_COLORSCALE, fit_title, fit_width
+
+MAPS_PER_ROW = 3
 
 
 def draw_attention_maps(probs: torch.Tensor, titles: Sequence[str], *, title: str | None = None) -> go.Figure:
-    """``probs [n, N, N]`` attention maps side by side, coloured by log10 probability (floor 1e-4)."""
+    """``probs [n, N, N]`` attention maps, up to :data:`MAPS_PER_ROW` a row, coloured by log10 probability
+    (floor 1e-4) on one colour bar beside the maps."""
     n = probs.shape[0]
-    fig = make_subplots(rows=1, cols=n, subplot_titles=list(titles), horizontal_spacing=0.03)
+    cols = min(n, MAPS_PER_ROW)
+    rows = -(-n // cols)
+    fig = make_subplots(
+        rows=rows, cols=cols, subplot_titles=list(titles), horizontal_spacing=0.04, vertical_spacing=0.1
+    )
     z = torch.log10(probs.float().clamp_min(1e-4)).numpy()
     for i in range(n):
+        axis = f"x{'' if i == 0 else i + 1}"
         fig.add_trace(
             go.Heatmap(
                 z=z[i],
                 zmin=-4,
                 zmax=0,
                 colorscale="Viridis",
-                showscale=i == n - 1,
-                colorbar=dict(title="log10 p"),
+                showscale=i == 0,
+                colorbar=dict(
+                    title=dict(text="p", side="right"),
+                    tickvals=[-4, -3, -2, -1, 0],
+                    ticktext=["10<sup>-4</sup>", "10<sup>-3</sup>", "0.01", "0.1", "1"],
+                    len=min(1.0, 0.8 / rows + 0.2),
+                    x=1.02,
+                ),
                 hovertemplate="query %{y}, key %{x}: 10^%{z:.2f}<extra></extra>",
             ),
-            row=1,
-            col=i + 1,
+            row=i // cols + 1,
+            col=i % cols + 1,
         )
         fig.update_yaxes(
             autorange="reversed",
-            scaleanchor=f"x{'' if i == 0 else i + 1}",
-            row=1,
-            col=i + 1,
-            showticklabels=i == 0,
+            scaleanchor=axis,
+            row=i // cols + 1,
+            col=i % cols + 1,
+            showticklabels=i % cols == 0,
         )
+    width = fit_width(260 * cols + 180)
+    text, lines = fit_title(title, width) if title else ("", 0)
+    top = 50 + 22 * lines
     fig.update_layout(
-        title=title,
+        title=dict(text=text) if title else None,
         template="plotly_white",
-        height=360,
-        width=min(1400, 280 * n + 120),
-        margin=dict(l=40, r=20, t=70, b=30),
+        height=top + 290 * rows,
+        width=width,
+        margin=dict(l=50, r=90, t=top, b=30),
     )
     return fig
 
@@ -59,8 +76,8 @@ def draw_pattern(pattern, num_tokens: int, head: int = 0, *, title: str | None =
     causal = num_tokens * (num_tokens + 1) // 2
     names = [
         f"lines: {int(lines.sum()):,} pairs",
-        f"computed ({pattern.block_size} x {pattern.block_size} "
-        f"tiles + bars): {int(dense.sum()):,} pairs, {dense.sum() / causal:.0%} of causal",
+        f"computed: {int(dense.sum()):,} pairs, {dense.sum() / causal:.0%} of causal<br>"
+        f"<sup>{pattern.block_size} x {pattern.block_size} tiles + bar columns</sup>",
     ]
     fig = make_subplots(rows=1, cols=2, subplot_titles=names, horizontal_spacing=0.06)
     for i, z in enumerate((lines, dense)):
@@ -70,12 +87,14 @@ def draw_pattern(pattern, num_tokens: int, head: int = 0, *, title: str | None =
             col=i + 1,
         )
         fig.update_yaxes(autorange="reversed", scaleanchor=f"x{'' if i == 0 else 2}", row=1, col=i + 1)
+    text, n_lines = fit_title(title or f"head {head}", 860)
+    top = 60 + 22 * n_lines  # the title, then two lines of subplot title
     fig.update_layout(
-        title=title or f"head {head}",
+        title=dict(text=text),
         template="plotly_white",
-        height=430,
+        height=350 + top,
         width=860,
-        margin=dict(l=40, r=20, t=80, b=30),
+        margin=dict(l=40, r=20, t=top, b=30),
     )
     return fig
 
@@ -96,7 +115,7 @@ def draw_recall(
         title="Attention mass kept by the estimated pattern",
         template="plotly_white",
         height=380,
-        xaxis=dict(title=x_title, type="log"),
+        xaxis=dict(title=x_title, tickvals=list(budgets), **LOG_AXIS),
         yaxis=dict(title="recall", range=[0, 1.02]),
     )
     return fig

@@ -44,15 +44,25 @@ def draw_stats_bars(
             )
         )
     ratios = all(k.endswith("ratio") for k in keys)
-    if ratios:
-        fig.add_hline(y=1.0, line_dash="dash", line_color="#666666", annotation_text="no saving")
+    if ratios:  # named in the legend, where no bar label can sit on it
+        fig.add_hline(y=1.0, line_dash="dash", line_color="#666666")
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="lines",
+                name="1 = no saving",
+                line=dict(dash="dash", color="#666666"),
+            )
+        )
     fig.update_layout(
         title=dict(text=title or "Saving of the tree over flat rollouts"),
         template="plotly_white",
         barmode="group",
         yaxis=dict(title="flat / tree (x)" if ratios else None, rangemode="tozero"),
         height=420,
-        margin=dict(l=60, r=20, t=60, b=40),
+        margin=dict(l=60, r=20, t=90, b=40),
+        legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
     )
     return fig
 
