@@ -7,6 +7,8 @@ All take ``q [B, N, Hq, D]``, ``k, v [B, S, Hkv, D]`` (grouped-query heads allow
   after the real tokens, so causality alone keeps real queries off padded keys.
 - :func:`suffix_causal` (DFS): N new tokens of one root-to-leaf path after S - N stored prefix tokens;
   query i sees keys ``0 .. S - N + i`` (the causal mask aligned to the bottom right).
+- :func:`prefix_tree` (DFS, a packed span): N new tokens after S - N stored prefix tokens, under an
+  explicit ``[N, S]`` boolean mask (every prefix key, and the tree rule inside the span).
 - :func:`packed_tree` (packed): one batch row holding a whole :class:`TreePack`; tree attention.
 """
 
@@ -37,6 +39,10 @@ def suffix_causal(q, k, v, scale=None):
     return _sdpa(q, k, v, scale, attn_mask=causal_lower_right(n, s))
 
 
+def prefix_tree(q, k, v, mask, scale=None):
+    return _sdpa(q, k, v, scale, attn_mask=mask)
+
+
 def packed_tree(pack, backend: str = "auto"):
     """Tree attention over ``pack`` as a model attention (batch of one packed row)."""
     from ..ops.tree import tree_attention
@@ -49,4 +55,4 @@ def packed_tree(pack, backend: str = "auto"):
     return attend
 
 
-__all__ = ["causal", "packed_tree", "suffix_causal"]
+__all__ = ["causal", "packed_tree", "prefix_tree", "suffix_causal"]

@@ -7,11 +7,11 @@ Each mode's time for one micro-batch is a non-negative linear function of what i
 - flat: padded tokens of the padded batches, their causal pairs, one model call per padded batch;
 - packed: tree tokens, tree pairs (each token sees its position + 1 keys); its one model call *is* the
   micro-batch, so that column stays 0 and the constant alone carries the per-micro-batch cost;
-- dfs: tree tokens + recomputed tokens (blocks with children run twice), their pairs, model calls (pushes,
-  pops, groups of sibling leaves).
+- dfs: tree tokens + recomputed tokens (blocks with children run twice: the spine above the packed
+  subtrees), their pairs, model calls (pushes, pops, packed spans of sibling leaves and subtrees).
 
 Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padded chunk, packed the
-whole micro-batch, dfs one block plus the K/V of the longest path).
+whole micro-batch, dfs its largest call plus the K/V of the longest path).
 
 **Fitting** (:meth:`CostModel.fit`, on the measurements of
 :func:`treeattn_lab.engine.calibration.calibrate`). A model call costs about the *larger* of its host time
@@ -49,7 +49,7 @@ from torch import nn
 
 from ..checks import check_int
 from ..trie import RolloutTrie
-from .dfs import group_sibling_leaves, split_blocks, visit_order
+from .dfs import walk
 from .modes import MODES, flat_chunks
 from .nnls import nnls, nnls_normalized
 
@@ -75,8 +75,8 @@ class MicroBatchShape:
     tree_pairs: int
     recomputed_tokens: int  # DFS: tokens of blocks with children, run once more without grad
     recomputed_pairs: int
-    dfs_calls: int  # DFS: model calls (pushes, pops, groups of sibling leaves)
-    max_block: int
+    dfs_calls: int  # DFS: model calls (pushes, pops, packed spans of sibling leaves and subtrees)
+    max_block: int  # DFS: tokens of its largest call
     max_length: int
 
     @classmethod
@@ -85,9 +85,8 @@ class MicroBatchShape:
         lengths = trie.seq_lengths
         padded = [(len(c), lengths[c[0]]) for c in flat_chunks(lengths, token_budget)]  # (rows, longest)
         pack = trie.pack()
-        blocks = split_blocks(pack, block_tokens)
-        events = group_sibling_leaves(visit_order(blocks), blocks, block_tokens)
-        pushed = [blocks[g[0]] for e, g in events if e == "push"]
+        _, events = walk(pack, block_tokens, packed_subtrees=True)
+        pushed = [b for e, b in events if e == "push"]
         return cls(
             flat_tokens=sum(lengths),
             padded_tokens=sum(rows * n for rows, n in padded),
@@ -98,7 +97,7 @@ class MicroBatchShape:
             recomputed_tokens=sum(b.end - b.start for b in pushed),
             recomputed_pairs=sum(_block_pairs(b) for b in pushed),
             dfs_calls=len(events),
-            max_block=max(b.end - b.start for b in blocks),
+            max_block=max(b.end - b.start for _, b in events),
             max_length=max(lengths),
         )
 

@@ -5,8 +5,9 @@ So a trie can be trained holding just the *active path*: per layer, the K/V of t
 to the current node (a stack), and beside them fp32 (fp64 for fp64 models) buffers for the gradients that
 later tokens send back into those K/V.
 
-The trie's nodes are cut into *blocks* of at most ``block_tokens`` tokens (a long node becomes a chain of
-blocks), and the blocks are walked depth first:
+The trie is cut into *blocks* of at most ``block_tokens`` tokens (:func:`split_blocks`): a node becomes a
+chain of blocks, except that (``packed_subtrees``, what the engine's modes run) a node whose whole subtree
+fits is one block, a *packed subtree*, run like a leaf. The blocks are walked depth first:
 
 - **push** a block that has children: run it without autograd against the stored prefix, append its K/V
   to the stack (and zero its gradient buffers);
@@ -15,12 +16,20 @@ blocks), and the blocks are walked depth first:
   K/V, given as detached leaf tensors; the loss of every entry whose logits lie in the block (targets
   include the children's first tokens); backpropagate that loss together with the gradients the
   descendants accumulated for this block's own K/V; then add the prefix leaves' ``.grad`` into the
-  ancestors' buffers. Parameter gradients accumulate in ``.grad`` as usual.
+  ancestors' buffers (one multi-tensor add over every layer). Parameter gradients accumulate in
+  ``.grad`` as usual.
+
+Neighbouring leaf blocks below the same parent (sibling leaves and packed subtrees) run together as one
+packed *span* of at most ``block_tokens`` tokens (:func:`group_sibling_leaves`): one model call on one
+row, whose attention sees the whole stored prefix and, inside the span, the tree rule
+``k <= q < subtree_end[k]`` of the pack. So only the spine above the spans is pushed and popped, and
+each span is one call, without padding.
 
 Each tree token is computed with gradients exactly once; blocks with children are also run once without
 (the ``recomputed`` tokens). Peak activation memory is that of one block, plus the path's K/V and
 gradient buffers. Children's K/V gradients are summed into the shared prefix child by child, so the result
-equals flat training on every rollout, up to floating-point rounding.
+equals flat training on every rollout, up to floating-point rounding. The walk reads no tensor back to the
+host: every size and offset is known from the pack before the first call.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import features_and_head
-from .attention import suffix_causal
+from .attention import prefix_tree, suffix_causal
 
 
 @dataclass(frozen=True)
@@ -40,24 +49,35 @@ class Block:
     position: int  # position of the first token in its rollouts (= prefix length)
     parent: int  # index of the parent block, -1 at the root
     has_children: bool
+    tree: bool = False  # the range holds more than one chain (a packed subtree, or a span of siblings)
 
 
-def split_blocks(pack, block_tokens: int) -> list[Block]:
-    """Blocks of at most ``block_tokens`` tokens in DFS preorder (a node's chunks form a chain)."""
+def split_blocks(pack, block_tokens: int, *, packed_subtrees: bool = False) -> list[Block]:
+    """Blocks of at most ``block_tokens`` tokens in DFS preorder, each node a chain of blocks; with
+    ``packed_subtrees``, a node with children whose whole subtree fits is one block instead (a leaf of
+    the walk: its subtree is inside it)."""
     start, end = pack._cpu("node_start").tolist(), pack._cpu("node_end").tolist()
-    parent, positions = pack._cpu("node_parent").tolist(), pack._cpu("position_ids")
+    sub_end, parent = pack._cpu("node_subtree_end").tolist(), pack._cpu("node_parent").tolist()
+    positions = pack._cpu("position_ids").tolist()
     has_kids = [False] * len(start)
     for p in parent[1:]:
         has_kids[p] = True
     order = sorted(range(1, len(start)), key=lambda n: start[n])  # preorder = packed order
     last_block = {0: -1}  # node -> index of its last block
     blocks: list[Block] = []
+    covered = 0  # packed tokens before this are inside a packed subtree already emitted
     for node in order:
+        if start[node] < covered:
+            continue
         above = last_block[parent[node]]
+        if packed_subtrees and has_kids[node] and sub_end[node] - start[node] <= block_tokens:
+            blocks.append(Block(start[node], sub_end[node], positions[start[node]], above, False, tree=True))
+            covered = sub_end[node]
+            continue
         for a in range(start[node], end[node], block_tokens):
             b = min(a + block_tokens, end[node])
             chained = b < end[node]
-            blocks.append(Block(a, b, int(positions[a]), above, chained or has_kids[node]))
+            blocks.append(Block(a, b, positions[a], above, chained or has_kids[node]))
             above = len(blocks) - 1
         last_block[node] = above
     return blocks
@@ -83,12 +103,40 @@ def visit_order(blocks: list[Block]) -> list[tuple[str, int]]:
     return events
 
 
+def group_sibling_leaves(events, blocks: list[Block], block_tokens: int):
+    """Merge runs of leaf blocks with the same parent into ``("leaves", [i, j, ...])`` events.
+
+    Sibling leaves see the same prefix and sit next to each other in the pack, so they run as one packed
+    span of at most ``block_tokens`` tokens: one model call instead of one per leaf.
+    """
+    out: list[tuple[str, list[int]]] = []
+    for event, i in events:
+        if event == "leaf" and out and out[-1][0] == "leaves":
+            group = out[-1][1]
+            tokens = blocks[i].end - blocks[group[0]].start
+            if blocks[group[0]].parent == blocks[i].parent and tokens <= block_tokens:
+                group.append(i)
+                continue
+        out.append(("leaves" if event == "leaf" else event, [i]))
+    return out
+
+
+def event_block(blocks: list[Block], group: list[int]) -> Block:
+    """The block an event runs: one block, or the span of a group of sibling leaves."""
+    first, last = blocks[group[0]], blocks[group[-1]]
+    if len(group) == 1:
+        return first
+    return Block(first.start, last.end, first.position, first.parent, has_children=False, tree=True)
+
+
 class PathState:
     """Per-layer K/V of the active path and fp32 gradient buffers beside them, indexed by position
-    (``with_grads=False``: no gradient buffers, for a pass without autograd)."""
+    (``with_grads=False``: no gradient buffers, for a pass without autograd). ``subtree_end``: the pack's
+    visibility vector on the model's device (what a packed span's attention mask is cut from)."""
 
-    def __init__(self, num_layers: int, max_len: int, with_grads: bool = True):
+    def __init__(self, num_layers: int, max_len: int, with_grads: bool = True, subtree_end=None):
         self.num_layers, self.max_len, self.with_grads = num_layers, max_len, with_grads
+        self.subtree_end = subtree_end
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.grad_k: list[torch.Tensor | None] = [None] * num_layers
@@ -105,29 +153,47 @@ class PathState:
             self.grad_k[layer] = like.new_zeros(shape, dtype=accumulate)
             self.grad_v[layer] = like.new_zeros(shape, dtype=accumulate)
 
+    def buffers(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """The gradient buffers' rows ``[lo, hi)`` of every layer (K and V), as views."""
+        return [buf[lo:hi] for group in (self.grad_k, self.grad_v) for buf in group if buf is not None]
+
     def nbytes(self) -> int:
         bufs = [t for group in (self.k, self.v, self.grad_k, self.grad_v) for t in group if t is not None]
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
-def _after_prefix(q, k, v, prefix_k, prefix_v, scale):
-    """Attention of a block's rows (sibling leaves run as a batch of rows) after one shared prefix."""
-    rows = k.shape[0]
-    keys = torch.cat([prefix_k.to(k.dtype).expand(rows, -1, -1, -1), k], dim=1)
-    values = torch.cat([prefix_v.to(v.dtype).expand(rows, -1, -1, -1), v], dim=1)
-    return suffix_causal(q, keys, values, scale)
+def span_mask(state: PathState, block: Block) -> torch.Tensor | None:
+    """``[n, position + n]`` bool: what the block's queries see, the stored prefix and, inside the block,
+    the pack's tree rule; None for a chain (causal attention after the prefix says it)."""
+    if not block.tree:
+        return None
+    n = block.end - block.start
+    local = torch.arange(n, device=state.subtree_end.device)
+    ends = state.subtree_end[block.start : block.end].to(torch.int64) - block.start
+    inside = (local[None, :] <= local[:, None]) & (local[:, None] < ends[None, :])
+    return torch.cat([inside.new_ones(n, block.position), inside], dim=1)
+
+
+def _after_prefix(q, k, v, prefix_k, prefix_v, mask, scale):
+    """Attention of a block's queries over the stored prefix followed by its own keys."""
+    keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
+    values = torch.cat([prefix_v.to(v.dtype), v], dim=1)
+    if mask is None:
+        return suffix_causal(q, keys, values, scale)
+    return prefix_tree(q, keys, values, mask, scale)
 
 
 class PrefixRead:
-    """Attention of sibling leaf blocks run without autograd: read the stored prefix, store nothing."""
+    """Attention of a span of leaves run without autograd: read the stored prefix, store nothing."""
 
     def __init__(self, state: PathState, block: Block):
         self.state, self.block = state, block
+        self.mask = span_mask(state, block)
 
     def __call__(self, layer: int, q, k, v, scale=None):
         st, p = self.state, self.block.position
         st.ensure(layer, k)
-        return _after_prefix(q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], scale)
+        return _after_prefix(q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], self.mask, scale)
 
 
 class BlockRun:
@@ -136,6 +202,7 @@ class BlockRun:
     def __init__(self, state: PathState, block: Block, with_grad: bool):
         self.state, self.block, self.with_grad = state, block, with_grad
         n = state.num_layers
+        self.mask = span_mask(state, block) if with_grad else None  # a push is a chain: causal
         self.prefix_k: list[torch.Tensor | None] = [None] * n  # detached leaves (with_grad only)
         self.prefix_v: list[torch.Tensor | None] = [None] * n
         self.new_k: list[torch.Tensor | None] = [None] * n  # this block's own K/V, kept for injection
@@ -154,13 +221,14 @@ class BlockRun:
                 "the non-reentrant kind (use_reentrant=False)"
             )
         if self.prefix_k[layer] is None:  # first call; a checkpoint's recomputation reuses the same leaves
-            self.prefix_k[layer] = st.k[layer][:p].detach().requires_grad_(True)
-            self.prefix_v[layer] = st.v[layer][:p].detach().requires_grad_(True)
+            self.prefix_k[layer] = st.k[layer][None, :p].detach().requires_grad_(True)
+            self.prefix_v[layer] = st.v[layer][None, :p].detach().requires_grad_(True)
             self.new_k[layer], self.new_v[layer] = k, v
-        return _after_prefix(q, k, v, self.prefix_k[layer], self.prefix_v[layer], scale)
+        return _after_prefix(q, k, v, self.prefix_k[layer], self.prefix_v[layer], self.mask, scale)
 
     def backward(self, loss) -> None:
-        """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V."""
+        """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V, then add the
+        prefix's gradients into the ancestors' buffers in one multi-tensor add."""
         st, b = self.state, self.block
         roots, grads = [], []
         if loss is not None and loss.requires_grad:  # no trainable parameter: nothing to send back
@@ -177,60 +245,21 @@ class BlockRun:
                     grads.append(buf[None, p : p + n].to(own.dtype))
         if roots:
             torch.autograd.backward(roots, grads)
+        bufs, sent = [], []
         for layer in range(st.num_layers):
             pairs = ((self.prefix_k[layer], st.grad_k[layer]), (self.prefix_v[layer], st.grad_v[layer]))
             for leaf, buf in pairs:
                 if leaf is not None and leaf.grad is not None:
-                    buf[: b.position] += leaf.grad
-
-
-def group_sibling_leaves(events, blocks: list[Block], block_tokens: int):
-    """Merge runs of leaf blocks with the same parent into ``("leaves", [i, j, ...])`` events.
-
-    Sibling leaves see the same prefix and sit next to each other in the pack, so they run as one padded
-    batch (at most ``block_tokens`` padded tokens): one model call instead of one per leaf.
-    """
-    out: list[tuple[str, list[int]]] = []
-    for event, i in events:
-        if event == "leaf" and out and out[-1][0] == "leaves":
-            group = out[-1][1]
-            longest = max(blocks[j].end - blocks[j].start for j in group + [i])
-            if blocks[group[0]].parent == blocks[i].parent and longest * (len(group) + 1) <= block_tokens:
-                group.append(i)
-                continue
-        out.append(("leaves" if event == "leaf" else event, [i]))
-    return out
-
-
-def _leaf_batch(ids, blocks: list[Block], group: list[int]):
-    """Right-padded ``[rows, longest]`` token ids and positions of sibling leaf blocks."""
-    lengths = [blocks[i].end - blocks[i].start for i in group]
-    longest = max(lengths)
-    batch_ids = ids.new_zeros(len(group), longest)
-    for r, i in enumerate(group):
-        batch_ids[r, : lengths[r]] = ids[blocks[i].start : blocks[i].end]
-    start = blocks[group[0]].position
-    batch_pos = (start + torch.arange(longest, device=ids.device)).expand(len(group), longest)
-    return batch_ids, batch_pos, lengths
-
-
-def _leaf_span(blocks: list[Block], group: list[int]) -> Block:
-    first, last = blocks[group[0]], blocks[group[-1]]
-    return Block(first.start, last.end, first.position, first.parent, has_children=False)
-
-
-def _leaves_features(adapter, ids, blocks, group, attention):
-    """Features of a group of sibling leaves as the packed rows of their span, and the head."""
-    batch_ids, batch_pos, lengths = _leaf_batch(ids, blocks, group)
-    features, head = features_and_head(adapter, batch_ids, batch_pos, attention)
-    return torch.cat([features[r, :n] for r, n in enumerate(lengths)]), head
+                    bufs.append(buf[: b.position])
+                    sent.append(leaf.grad[0])
+        if bufs:
+            torch._foreach_add_(bufs, sent)
 
 
 def _zero_buffers(state: PathState, b: Block) -> None:
-    for layer in range(state.num_layers):
-        if state.grad_k[layer] is not None:
-            state.grad_k[layer][b.position : b.position + b.end - b.start] = 0
-            state.grad_v[layer][b.position : b.position + b.end - b.start] = 0
+    bufs = state.buffers(b.position, b.position + b.end - b.start)
+    if bufs:
+        torch._foreach_zero_(bufs)
 
 
 def _entry_logps(plan, adapter, pack) -> torch.Tensor:
@@ -262,39 +291,50 @@ class LinearScores:
         pass
 
 
-def run_dfs(adapter, pack, plan, block_tokens: int, scores=None) -> dict:
+def walk(pack, block_tokens: int, *, packed_subtrees: bool = True):
+    """``(blocks, [(event, block it runs)])``: the events of the walk over ``pack``."""
+    blocks = split_blocks(pack, block_tokens, packed_subtrees=packed_subtrees)
+    events = group_sibling_leaves(visit_order(blocks), blocks, block_tokens)
+    return blocks, [(event, event_block(blocks, group)) for event, group in events]
+
+
+def _path_state(adapter, pack, with_grads: bool) -> PathState:
+    longest = int(pack._cpu("seq_lengths").max())
+    return PathState(adapter.num_layers, longest, with_grads, subtree_end=pack.subtree_end)
+
+
+def _features(adapter, pack, b: Block, attention):
+    rows = slice(b.start, b.end)
+    features, head = features_and_head(adapter, pack.input_ids[None, rows], pack.position_ids[None, rows],
+                                       attention)
+    return features[0], head
+
+
+def run_dfs(adapter, pack, plan, block_tokens: int, scores=None, *, packed_subtrees: bool = False) -> dict:
     """Run one micro-batch's trie depth first; parameter gradients accumulate in ``.grad``.
 
     ``scores``: what each block's logits are scored with (default :class:`LinearScores` of ``plan``).
+    ``packed_subtrees``: run every subtree that fits a block as one packed span (what the engine's modes
+    do); without it every node is a chain of blocks, the walk :func:`split_blocks` describes.
     Returns the entries' log-probs and token counts:
     ``{"entry_logp", "grad_tokens", "no_grad_tokens", "blocks", "path_bytes"}``.
     """
     scores = LinearScores(plan) if scores is None else scores
-    blocks = split_blocks(pack, block_tokens)
-    state = PathState(adapter.num_layers, int(pack.seq_lengths.max()))
+    blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
+    state = _path_state(adapter, pack, with_grads=True)
     entry_logp = _entry_logps(plan, adapter, pack)
-    ids, pos = pack.input_ids, pack.position_ids
     grad_tokens = no_grad_tokens = 0
-    for event, group in group_sibling_leaves(visit_order(blocks), blocks, block_tokens):
-        b = blocks[group[0]]
-        rows = slice(b.start, b.end)
+    for event, b in events:
         if event == "push":
             _zero_buffers(state, b)
             with torch.no_grad():
-                run = BlockRun(state, b, with_grad=False)
-                features, head = features_and_head(adapter, ids[None, rows], pos[None, rows], run)
-            scores.pushed(features[0], head, b)
+                features, head = _features(adapter, pack, b, BlockRun(state, b, with_grad=False))
+            scores.pushed(features, head, b)
             del features
             no_grad_tokens += b.end - b.start
             continue
-        if event == "leaves":
-            b = _leaf_span(blocks, group)
-            run = BlockRun(state, b, with_grad=True)
-            features, head = _leaves_features(adapter, ids, blocks, group, run)
-        else:
-            run = BlockRun(state, b, with_grad=True)
-            features, head = features_and_head(adapter, ids[None, rows], pos[None, rows], run)
-            features = features[0]
+        run = BlockRun(state, b, with_grad=True)
+        features, head = _features(adapter, pack, b, run)
         loss, logp = scores.loss(features, head, b)
         entry_logp[plan.entries_in(b.start, b.end)] = logp
         del features
@@ -311,33 +351,24 @@ def run_dfs(adapter, pack, plan, block_tokens: int, scores=None) -> dict:
 
 
 @torch.no_grad()
-def dfs_logprobs(adapter, pack, plan, block_tokens: int, *, entropy: bool = False) -> dict:
+def dfs_logprobs(
+    adapter, pack, plan, block_tokens: int, *, entropy: bool = False, packed_subtrees: bool = True
+) -> dict:
     """The entries' log-probs (and entropies) of one micro-batch, depth first and without autograd.
 
-    Every block runs once: a block with children is pushed (its K/V stored on the path), sibling leaves
-    run as one batch that reads the path. Memory: one block plus the path's K/V.
+    Every block runs once: a block with children is pushed (its K/V stored on the path), a span of
+    sibling leaves runs as one packed call that reads the path. Memory: one block plus the path's K/V.
     ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens", "path_bytes"}``.
     """
-    blocks = split_blocks(pack, block_tokens)
-    state = PathState(adapter.num_layers, int(pack.seq_lengths.max()), with_grads=False)
+    _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
+    state = _path_state(adapter, pack, with_grads=False)
     entry_logp = _entry_logps(plan, adapter, pack)
     entry_entropy = torch.zeros_like(entry_logp) if entropy else None
-    ids, pos = pack.input_ids, pack.position_ids
-    for event, group in group_sibling_leaves(visit_order(blocks), blocks, block_tokens):
+    for event, b in events:
         if event == "pop":  # its tokens were scored when it was pushed
             continue
-        if event == "push":
-            b = blocks[group[0]]
-            features, head = features_and_head(
-                adapter,
-                ids[None, b.start : b.end],
-                pos[None, b.start : b.end],
-                BlockRun(state, b, with_grad=False),
-            )
-            features = features[0]
-        else:
-            b = _leaf_span(blocks, group)
-            features, head = _leaves_features(adapter, ids, blocks, group, PrefixRead(state, b))
+        run = BlockRun(state, b, with_grad=False) if event == "push" else PrefixRead(state, b)
+        features, head = _features(adapter, pack, b, run)
         entries, logp, ent = plan.logprobs(features, b.start, head, entropy=entropy)
         entry_logp[entries] = logp
         if entropy:
