@@ -389,3 +389,30 @@ def test_bar_labels_leave_the_no_saving_line_to_the_legend(trie):
     assert not bars.layout.annotations  # no text on the dashed line, where a bar label may sit
     assert "1 = no saving" in {t.name for t in bars.data}
     _assert_fits(bars)
+
+
+def test_dilation_results_are_bars_with_a_scale_per_window():
+    def row(model, d, w, p, adapted, gap):
+        return dict(
+            model=model, dilation=d, window=w, initial=p, adapted=adapted, val_loss=1 + gap, gap_vs_dense=gap
+        )
+
+    summary = [row(m, 1, 0, 0, a, 0.0) for m in ("plain", "rat+") for a in (False, True)]
+    for d in (4, 16):
+        summary += [row("plain", d, 0, 0, a, 0.8 - 0.2 * a) for a in (False, True)]
+        summary += [row("rat+", d, 0, 0, a, 0.012) for a in (False, True)]
+        summary += [row("plain", d, 64, 4, a, 0.017) for a in (False, True)]
+        summary += [row("rat+", d, 64, 4, a, 0.004) for a in (False, True)]
+    result = {
+        "summary": summary,
+        "config": {"window": 64, "initial": 4, "dilations": [1, 4, 16], "seeds": [0, 1]},
+    }
+    fig = viz.draw_dilation_results(result)
+    assert all(isinstance(t, go.Bar) for t in fig.data) and len(fig.data) == 8  # 2 panels x 2 models x 2
+    assert not fig.layout.yaxis2.matches and not fig.layout.yaxis.matches  # +0.4% against +1.7% stays visible
+    windowed = [t for t in fig.data if t.xaxis == "x2" and t.name == "rat+, adapted"]
+    assert list(windowed[0].text) == ["+0.4%", "+0.4%"] and list(windowed[0].x) == ["D = 4", "D = 16"]
+    assert "2 seeds" in fig.layout.title.text
+    _assert_fits(fig)
+    with pytest.raises(ValueError, match="models"):
+        viz.draw_dilation_results({"summary": [], "config": result["config"]})

@@ -16,6 +16,7 @@ module                    what it draws
 :mod:`.micro_batches`     a trie cut into micro-batches, with the cost model's choice per micro-batch
 :mod:`.balance`           partitions over ranks, their loads, sweeps over K, a measured step per rank
 :mod:`.sparse_patterns`   attention maps, vertical-slash patterns and their recall
+:mod:`.dilation`          the RAT+ experiment: loss above dense per dilation, per window, per model
 :mod:`.ring`              sparse ring attention: who computes which tile, work per (rank, step)
 :mod:`.gpu_timeline`      a profiled run: kernels and NCCL transfers per stream over time
 :mod:`.bench`             benchmark result files and figures (tree, train, sparse; live speed sweeps)
@@ -41,6 +42,7 @@ from .bench import (
     load_bench_results,
 )
 from .dfs import STATE_COLORS, STATE_LABELS, draw_dfs_step, draw_dfs_timeline, restyle_dfs_step
+from .dilation import MODEL_COLORS, draw_dilation_results
 from .engine_modes import (
     draw_gradient_errors,
     draw_held_tokens,
@@ -78,6 +80,7 @@ __all__ = [
     "HIGHLIGHT_COLOR",
     "LOOP_COLORS",
     "MASK_COLORSCALE",
+    "MODEL_COLORS",
     "MODE_COLORS",
     "NODE_COLOR",
     "PALETTE",
@@ -97,6 +100,7 @@ __all__ = [
     "draw_bench_summary",
     "draw_dfs_step",
     "draw_dfs_timeline",
+    "draw_dilation_results",
     "draw_gpu_timeline",
     "draw_gradient_errors",
     "draw_grpo_live",
