@@ -63,6 +63,34 @@ def test_bad_tree_options_stop_before_running(argv, message, capsys):
     run_case.assert_not_called()
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["balance", "--ks", "a"], "positive integers"),
+        (["balance", "--ks", "2,0"], "positive integers"),
+        (["balance", "--partitioners", "nope"], "unknown 'nope'"),
+        (["balance", "--sets", "nope"], "nope"),
+        (["train", "--sets", "nope"], "unknown 'nope'"),
+        (["train", "--reps", "0"], "positive integer"),
+        (["tree-tune", "--heads", "0"], "positive integer"),
+        (["sparse", "--heads", "0"], "positive integer"),
+        (["dilated", "--dim", "x"], "positive integer"),
+    ],
+)
+def test_bad_options_of_other_benchmarks_are_usage_errors(argv, message, capsys):
+    code, _, err = run_cli(["bench", *argv], capsys)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_every_benchmark_checks_its_out_folder_first(name, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run_cli(["bench", name, "--out", str(blocker)], capsys)
+    assert code == 2 and "--out" in err
+
+
 def test_an_unusable_out_folder_stops_before_running(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
