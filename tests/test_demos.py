@@ -1,0 +1,123 @@
+"""The live CPU demonstrations of the notebooks (treeattn_lab.lab.demos) against the einops references."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from treeattn_lab import RolloutTrie, sparse_attention, tree_attention
+from treeattn_lab.bench.tree import branching_rollouts
+from treeattn_lab.lab import demos
+from treeattn_lab.patterns.vertical_slash import synthetic_pattern
+
+
+def _random_pack(seed: int):
+    rng = random.Random(seed)
+    seqs = [[rng.randrange(4) for _ in range(rng.randint(1, 23))] for _ in range(rng.randint(1, 9))]
+    return RolloutTrie.from_sequences(seqs).pack()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nodewise_tree_attention_matches_the_reference(seed):
+    pack = _random_pack(seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    q = torch.randn(pack.num_tokens, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(pack.num_tokens, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    before = [x.clone() for x in (q, k, v)]
+    got = demos.nodewise_tree_attention(q, k, v, pack)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, tree_attention(q, k, v, pack, backend="reference"), atol=1e-12, rtol=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before, strict=True))
+
+
+def test_nodewise_tree_attention_refuses_a_wrong_length():
+    pack = _random_pack(0)
+    x = torch.randn(pack.num_tokens + 1, 2, 8)
+    with pytest.raises(ValueError, match="packed tokens"):
+        demos.nodewise_tree_attention(x, x, x, pack)
+
+
+@pytest.mark.parametrize(("tokens", "block", "seed"), [(200, 16, 1), (77, 16, 2), (130, 32, 3)])
+def test_gathered_sparse_attention_matches_the_reference(tokens, block, seed):
+    pattern = synthetic_pattern(tokens, 4, n_vertical=9, n_slash=7, sinks=3, local=12, block_size=block,
+                                seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(tokens, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    got = demos.gathered_sparse_attention(q, k, v, pattern)
+    want = sparse_attention(q, k, v, pattern, backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    plan = demos.sparse_gather_plan(pattern, tokens)
+    torch.testing.assert_close(demos.gathered_sparse_attention(q, k, v, pattern, plan), want)
+    # the plan holds exactly the pattern's pairs, each once
+    pairs = sum(int(((pos[:, None, :] <= torch.arange(b * block, min(tokens, b * block + block))[None, :, None])
+                     & ok[:, None, :]).sum()) for b, (pos, ok) in enumerate(plan))
+    assert pairs == pattern.num_pairs(tokens)
+
+
+def test_gathered_sparse_attention_refuses_other_heads():
+    pattern = synthetic_pattern(64, 2, n_vertical=2, n_slash=2, sinks=1, local=4, block_size=16, seed=0)
+    x = torch.randn(64, 4, 8)
+    with pytest.raises(ValueError, match="heads"):
+        demos.gathered_sparse_attention(x, x, x, pattern)
+
+
+def test_tree_against_flat_counts_pairs_and_restores_threads():
+    pack = RolloutTrie.from_sequences(branching_rollouts(1, 48, [(3, 8)])).pack()
+    threads = torch.get_num_threads()
+    r = demos.tree_against_flat(pack, heads=2, dim=8, repeats=1)
+    assert torch.get_num_threads() == threads
+    assert r["tree_pairs"] == int(pack.visibility_mask().sum())
+    assert r["flat_pairs"] == 3 * 56 * 57 // 2 and r["pair_ratio"] == r["flat_pairs"] / r["tree_pairs"]
+    assert r["flat_s"] > 0 and r["tree_s"] > 0 and r["speedup"] == r["flat_s"] / r["tree_s"]
+
+
+def test_sparse_against_dense_reports_density():
+    pattern = synthetic_pattern(256, 2, n_vertical=4, n_slash=4, sinks=2, local=16, block_size=32, seed=0)
+    r = demos.sparse_against_dense(pattern, 256, dim=8, repeats=1)
+    assert r["density"] == pattern.density(256) and r["ideal"] == pytest.approx(1 / r["density"])
+    assert r["dense_s"] > 0 and r["sparse_s"] > 0
+
+
+def test_threads_restores_the_setting_after_an_error():
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="inside"), demos.threads(1):
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"), demos.threads(0):
+        pass
+
+
+def test_median_seconds_and_its_arguments():
+    calls = []
+    assert demos.median_seconds(lambda: calls.append(1), repeats=3, warmup=2) >= 0
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="repeats"):
+        demos.median_seconds(lambda: None, repeats=0)
+
+
+def test_measured_balance():
+    timeline = [{"rank": 0, "compute_s": 1.0, "wait_s": 0.5, "reduce_s": 0.1, "predicted": 2.0},
+                {"rank": 1, "compute_s": 1.5, "wait_s": 0.0, "reduce_s": 0.1, "predicted": 2.0}]
+    b = demos.measured_balance(timeline)
+    assert b["measured_imbalance"] == pytest.approx(1.2) and b["predicted_imbalance"] == 1.0
+    assert b["slowest_rank"] == 1 and b["wait_share"] == pytest.approx([0.5 / 1.6, 0.0])
+    with pytest.raises(ValueError, match="no ranks"):
+        demos.measured_balance([])
+
+
+def test_measured_on_names_the_device():
+    env = {"device": "NVIDIA H200", "time_utc": "2026-11-30T12:00:00Z", "torch": "2.11", "triton": "3.6"}
+    assert demos.measured_on({"environment": env}).startswith("an NVIDIA H200 on 2026-11-30")
+    assert "CPU" in demos.measured_on({"environment": {**env, "device": "cpu"}})
+
+
+def test_rat_live_config_is_the_quick_models_on_shorter_windows():
+    from treeattn_lab.experiments.rat_dilation import MODES
+
+    cfg = demos.rat_live_config()
+    assert (cfg.dim, cfg.n_layers) == (MODES["quick"].dim, MODES["quick"].n_layers)
+    assert 16 in cfg.dilations and cfg.seq_len < MODES["quick"].seq_len

@@ -1,0 +1,256 @@
+"""Savings measured live on the learner's machine, at CPU scale, for the notebooks.
+
+Each notebook shows one saving happening where it runs: fewer attended pairs taking less time (tree
+against flat, sparse against dense), a balanced step on two real processes, a RAT+ model that keeps its
+quality under dilation. The GPU numbers beside them come from the committed ``bench/results/*.json``
+(:func:`measured_on` names where each was measured).
+
+On a CPU the lab's Triton kernels run in Triton's interpreter, which proves them exact but is slow, so the
+timings here compute the same pairs with PyTorch's CPU attention (``scaled_dot_product_attention``):
+
+- :func:`nodewise_tree_attention` computes exactly the tree's pairs, node by node: a node's tokens
+  against themselves (causal), then its whole subtree below it (one contiguous range in DFS preorder)
+  against its tokens, every part merged by log-sum-exp;
+- :func:`gathered_sparse_attention` computes exactly the block-rounded vertical-slash pairs: per query
+  block, the keys of its selected tiles and its head's columns gathered densely, then one masked product.
+
+Both are checked against the einops references in ``tests/test_demos.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "gathered_sparse_attention",
+    "nodewise_tree_attention",
+    "measured_balance",
+    "measured_on",
+    "median_seconds",
+    "rat_live_config",
+    "sparse_against_dense",
+    "sparse_gather_plan",
+    "threads",
+    "tree_against_flat",
+]
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@contextlib.contextmanager
+def threads(count: int | None) -> Iterator[None]:
+    """Run the block with ``count`` intra-op threads (None: leave them), restoring the setting after."""
+    before = torch.get_num_threads()
+    if count is not None:
+        if count < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {count}")
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measured_on(result: dict) -> str:
+    """``"an NVIDIA H200 on 2026-11-30 (torch 2.11, triton 3.6)"``: where a committed result was measured."""
+    env = result["environment"]
+    device = env["device"]
+    where = "this lab's CPU run" if device == "cpu" else f"an {device}"
+    return f"{where} on {env['time_utc'][:10]} (torch {env['torch']}, triton {env['triton']})"
+
+
+# -------------------------------------------------------------------------------- tree against flat
+def _heads_of(k: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """``[..., Hkv, D]`` -> ``[..., Hq, D]``: each key/value head repeated for its query group."""
+    if q_heads % k.shape[-2]:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({k.shape[-2]})")
+    return k.repeat_interleave(q_heads // k.shape[-2], dim=-2)
+
+
+def _attend(q, k, v, *, causal: bool):
+    """``q [G, L, H, D]`` over ``k, v [G, S, H, D]`` (``G`` independent groups) with PyTorch's CPU flash
+    kernel: ``(out [G, L, H, D], lse [G, L, H])``."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(x.transpose(1, 2) for x in (q, k, v)), 0.0, causal)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def nodewise_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack) -> torch.Tensor:
+    """Tree attention over ``pack`` (``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, forward) computing each of the
+    tree's pairs once, node by node. Node ``n`` holds packed tokens ``[a, b)`` and its subtree is
+    ``[a, e)``: its tokens attend themselves causally (nodes of equal length in one batched call), and
+    every query below it (``[b, e)``, one contiguous range in DFS preorder) attends its keys with no mask.
+    A query's parts, one per node on its root path, merge by log-sum-exp, as ring attention merges its
+    steps."""
+    from ..reference import merge_attention_states
+
+    t = pack.num_tokens
+    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[0] != t:
+        raise ValueError(f"expected q [T, Hq, D] and k, v [T, Hkv, D] with T = {t} packed tokens, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    k, v = _heads_of(k, q.shape[1]), _heads_of(v, q.shape[1])
+    node_id = pack.node_id.cpu()
+    starts = [0] + (torch.nonzero(node_id.diff()).flatten() + 1).tolist()
+    ends = starts[1:] + [t]
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:2])
+    by_length: dict[int, list[int]] = {}
+    for a, b in zip(starts, ends, strict=True):
+        by_length.setdefault(b - a, []).append(a)
+    for n, firsts in by_length.items():  # every token's own node, causal
+        rows = (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).to(q.device)  # [G, n]
+        out[rows], lse[rows] = _attend(q[rows], k[rows], v[rows], causal=True)
+    subtree_end = pack.subtree_end.cpu()
+    for a, b in zip(starts, ends, strict=True):  # the queries below each node against its keys
+        e = int(subtree_end[a])
+        if e > b:
+            part_out, part_lse = _attend(q[None, b:e], k[None, a:b], v[None, a:b], causal=False)
+            out[b:e], lse[b:e] = merge_attention_states(out[b:e], lse[b:e], part_out[0], part_lse[0])
+    return out
+
+
+def tree_against_flat(pack, *, heads: int = 4, dim: int = 64, repeats: int = 3, seed: int = 0,
+                      num_threads: int | None = 1) -> dict:
+    """Time attention over ``pack``'s rollouts two ways on this machine (forward, fp32, random inputs,
+    ``heads`` of ``dim``): **flat**, every rollout causal on its own in a batch padded to the longest,
+    and **tree**, the packed tree with each attended pair once (:func:`nodewise_tree_attention`).
+
+    Returns the attended pairs (``flat_pairs``: the padded batch's causal pairs, what flat attention
+    computes), both times in seconds, ``pair_ratio`` (flat / tree pairs) and ``speedup`` (flat / tree
+    time). Timed on ``num_threads`` threads (one by default): the comparison then counts the work each
+    side does, not how well its calls spread over cores shared with other programs."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = pack.seq_lengths.tolist()
+    batch, longest = len(lengths), max(lengths)
+    flat = [torch.randn(batch, heads, longest, dim, generator=gen) for _ in range(3)]
+    tree = [torch.randn(pack.num_tokens, heads, dim, generator=gen) for _ in range(3)]
+    with torch.no_grad(), threads(num_threads):
+        flat_s = median_seconds(lambda: F.scaled_dot_product_attention(*flat, is_causal=True),
+                                repeats=repeats)
+        tree_s = median_seconds(lambda: nodewise_tree_attention(*tree, pack), repeats=repeats)
+    flat_pairs = batch * longest * (longest + 1) // 2
+    tree_pairs = pack.attended_pairs()
+    return {"sequences": batch, "flat_tokens": batch * longest, "tree_tokens": pack.num_tokens,
+            "flat_pairs": flat_pairs, "tree_pairs": tree_pairs, "pair_ratio": flat_pairs / tree_pairs,
+            "flat_s": flat_s, "tree_s": tree_s, "speedup": flat_s / tree_s}
+
+
+# ------------------------------------------------------------------------------ sparse against dense
+def sparse_gather_plan(pattern, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per query block, the key positions each head computes (``[H, width]``, padded to the busiest head)
+    and which entries are real (``[H, width]`` bool): the keys of the block's selected tiles, then its
+    head's columns outside them, from ``pattern.block_index`` (what the kernel reads)."""
+    index = pattern.block_index(num_tokens)
+    bs, heads, nq = index.block_size, pattern.num_heads, index.q_blocks.numel()
+    row_ptr, row_idx = index.row_ptr.long().cpu(), index.row_idx.long().cpu()
+    offsets = torch.arange(bs)
+    plan = []
+    for b in range(nq):
+        per_head = []
+        for h in range(heads):
+            r = h * nq + b
+            tiles = (row_idx[row_ptr[r]:row_ptr[r + 1], None] * bs + offsets).flatten()
+            keys = [tiles[tiles < num_tokens]]
+            if index.bar_pos is not None:
+                bars = index.bar_pos[h, :int(index.bar_count[h, b])].long().cpu()
+                keys.append(bars[index.bar_skip[h, b].cpu()[bars // bs] == 0])
+            per_head.append(torch.cat(keys))
+        width = max(x.numel() for x in per_head)
+        positions = torch.zeros(heads, width, dtype=torch.long)
+        valid = torch.zeros(heads, width, dtype=torch.bool)
+        for h, x in enumerate(per_head):
+            positions[h, :x.numel()], valid[h, :x.numel()] = x, True
+        plan.append((positions, valid))
+    return plan
+
+
+def gathered_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern,
+                              plan: list | None = None) -> torch.Tensor:
+    """Causal attention of ``q [N, Hq, D]`` over ``k, v [N, Hkv, D]`` restricted to ``pattern``'s
+    block-rounded pairs (those of ``pattern.dense_mask``), computed block by block: each query block's
+    keys (:func:`sparse_gather_plan`, built once per pattern and length) are gathered densely and attended
+    in one masked product. Work grows with the pattern's pairs, not with ``N^2``."""
+    n, hq, _ = q.shape
+    if pattern.num_heads != hq:
+        raise ValueError(f"the pattern has {pattern.num_heads} heads, q has {hq}")
+    plan = sparse_gather_plan(pattern, n) if plan is None else plan
+    bs = pattern.block_size
+    kh, vh = _heads_of(k, hq), _heads_of(v, hq)
+    heads = torch.arange(hq, device=q.device)[:, None]
+    scale = q.shape[-1] ** -0.5
+    outs = []
+    for b, (positions, valid) in enumerate(plan):
+        q0, q1 = b * bs, min(n, b * bs + bs)
+        positions, valid = positions.to(q.device), valid.to(q.device)
+        rows = torch.arange(q0, q1, device=q.device)
+        mask = valid[:, None, :] & (positions[:, None, :] <= rows[None, :, None])  # [H, bq, width]
+        scores = q[q0:q1].transpose(0, 1) @ kh[positions, heads].transpose(1, 2) * scale  # [H, bq, width]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        outs.append((probs @ vh[positions, heads]).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def sparse_against_dense(pattern, num_tokens: int, *, dim: int = 64, kv_heads: int | None = None,
+                         repeats: int = 3, seed: int = 0, num_threads: int | None = 1) -> dict:
+    """Time dense causal attention against :func:`gathered_sparse_attention` under ``pattern`` on this
+    machine (forward, fp32, random inputs of ``num_tokens``). Returns both times in seconds, the
+    pattern's ``density`` (computed pairs over causal pairs), ``ideal`` (1 / density) and ``speedup``.
+    Timed on ``num_threads`` threads, as :func:`tree_against_flat`."""
+    heads = pattern.num_heads
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, heads, dim, generator=gen)
+    k, v = (torch.randn(num_tokens, kv_heads or heads, dim, generator=gen) for _ in range(2))
+    with torch.no_grad(), threads(num_threads):
+        dense = [x.transpose(0, 1)[None] for x in (q, _heads_of(k, heads), _heads_of(v, heads))]
+        dense_s = median_seconds(lambda: F.scaled_dot_product_attention(*dense, is_causal=True),
+                                 repeats=repeats)
+        plan = sparse_gather_plan(pattern, num_tokens)  # built once, like the kernel's block index
+        sparse_s = median_seconds(lambda: gathered_sparse_attention(q, k, v, pattern, plan), repeats=repeats)
+    density = pattern.density(num_tokens)
+    return {"tokens": num_tokens, "density": density, "ideal": 1 / density, "dense_s": dense_s,
+            "sparse_s": sparse_s, "speedup": dense_s / sparse_s}
+
+
+# ------------------------------------------------------------------------------ balance, measured
+def measured_balance(timeline: list[dict]) -> dict:
+    """A real step's balance from its per-rank timeline (``StepResult.timeline()``): the measured
+    imbalance (slowest rank's compute over the mean), the predicted one (the plan's costs, same
+    definition), and each rank's wait at the all-reduce as a share of the step."""
+    if not timeline:
+        raise ValueError("the timeline has no ranks")
+    compute = [r["compute_s"] for r in timeline]
+    predicted = [r["predicted"] for r in timeline]
+    step = max(compute) + timeline[0]["reduce_s"]
+    return {"measured_imbalance": max(compute) / (sum(compute) / len(compute)),
+            "predicted_imbalance": max(predicted) / (sum(predicted) / len(predicted)),
+            "wait_share": [r["wait_s"] / step for r in timeline],
+            "slowest_rank": max(range(len(compute)), key=compute.__getitem__)}
+
+
+# ---------------------------------------------------------------------------------------- RAT+ live
+def rat_live_config():
+    """A RAT+ experiment (``treeattn_lab.experiments.rat_dilation``) sized for about two minutes on a
+    laptop CPU: the ``quick`` models (2 layers of width 64) on 128-byte windows, trained long enough to
+    learn the previous bytes, then evaluated dense and at ``D = 16`` without and with a window."""
+    from ..experiments.rat_dilation import MODES
+
+    return replace(MODES["quick"], seq_len=128, batch_size=8, steps=60, dilations=(1, 16), adapt_steps=10,
+                   eval_windows=16)
