@@ -28,7 +28,8 @@ def test_nodewise_tree_attention_matches_the_reference(seed):
     before = [x.clone() for x in (q, k, v)]
     got = demos.nodewise_tree_attention(q, k, v, pack)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, tree_attention(q, k, v, pack, backend="reference"), atol=1e-12, rtol=1e-12)
+    want = tree_attention(q, k, v, pack, backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), before, strict=True))
 
 
@@ -52,8 +53,9 @@ def test_gathered_sparse_attention_matches_the_reference(tokens, block, seed):
     plan = demos.sparse_gather_plan(pattern, tokens)
     torch.testing.assert_close(demos.gathered_sparse_attention(q, k, v, pattern, plan), want)
     # the plan holds exactly the pattern's pairs, each once
-    pairs = sum(int(((pos[:, None, :] <= torch.arange(b * block, min(tokens, b * block + block))[None, :, None])
-                     & ok[:, None, :]).sum()) for b, (pos, ok) in enumerate(plan))
+    rows = [torch.arange(b * block, min(tokens, b * block + block)) for b in range(len(plan))]
+    pairs = sum(int(((pos[:, None, :] <= r[None, :, None]) & ok[:, None, :]).sum())
+                for r, (pos, ok) in zip(rows, plan, strict=True))
     assert pairs == pattern.num_pairs(tokens)
 
 
