@@ -39,11 +39,18 @@ def test_check_ancestor_keys_accepts_the_solution(capsys):
     assert exercises.check_ancestor_keys(exercises.ancestor_keys, seed=0)
     assert capsys.readouterr().out.startswith("pass")
 
-    # any split and order of the ranges is fine
+    # the right keys split into unmerged or unsorted ranges fail, with a hint naming the merged answer
     def split(se, q0):
         return [(k, k + 1) for a, b in reversed(exercises.ancestor_keys(se, q0)) for k in range(a, b)]
 
-    assert exercises.check_ancestor_keys(split, seed=1, verbose=False)
+    assert not exercises.check_ancestor_keys(split, seed=1)
+    out = capsys.readouterr().out
+    assert out.startswith("fail") and "sorted, merged" in out
+
+    # the starter's failing case is short: only subtree_end up to q0 is printed, q0 small
+    assert not exercises.check_ancestor_keys(lambda se, q0: [], seed=2)
+    shown = capsys.readouterr().out.splitlines()[1]
+    assert shown.startswith("  subtree_end[:q0 + 1] = [") and shown.count(",") < 12
 
 
 @pytest.mark.parametrize(

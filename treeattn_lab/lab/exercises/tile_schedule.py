@@ -41,14 +41,17 @@ def ancestor_keys(subtree_end, q0: int) -> list[tuple[int, int]]:
 
 
 def _as_ranges(answer) -> list[tuple[int, int]]:
-    """The learner's answer as sorted, merged (start, end) ranges; raises TypeError on other shapes."""
+    """The learner's answer as a list of (start, end) int pairs, as given; TypeError on other shapes."""
     try:
-        pairs = [(int(a), int(b)) for a, b in answer]
+        return [(int(a), int(b)) for a, b in answer]
     except (TypeError, ValueError) as e:
         raise TypeError(f"expected a list of (start, end) pairs, got {answer!r:.80}") from e
-    keys = sorted({k for a, b in pairs for k in range(a, b)})
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The keys of ``ranges`` as sorted, merged half-open ranges."""
     out: list[tuple[int, int]] = []
-    for k in keys:
+    for k in sorted(_keys(ranges)):
         if out and out[-1][1] == k:
             out[-1] = (out[-1][0], k + 1)
         else:
@@ -62,7 +65,8 @@ def _keys(ranges: Sequence[tuple[int, int]]) -> set[int]:
 
 def _hint(subtree_end: list[int], q0: int, expected, got) -> str:
     extra, missing = _keys(got) - _keys(expected), _keys(expected) - _keys(got)
-    lines = [f"  subtree_end = {subtree_end}", f"  q0 = {q0}", f"  expected {expected}", f"  got      {got}"]
+    lines = [f"  subtree_end[:q0 + 1] = {subtree_end[:q0 + 1]}  (later entries do not matter here)",
+             f"  q0 = {q0}", f"  expected {expected}", f"  got      {got}"]
     if any(k >= q0 for k in extra):
         lines.append("hint: only keys before the tile count (k < q0); the diagonal tile is handled apart.")
     elif extra:
@@ -77,6 +81,9 @@ def _hint(subtree_end: list[int], q0: int, expected, got) -> str:
             f"hint: key {k} is visible: {k} < q0 and subtree_end[{k}] = {subtree_end[k]} > q0, so q0 lies "
             f"in {k}'s subtree. A key k < q0 is visible exactly when subtree_end[k] > q0."
         )
+    else:
+        lines.append("hint: the right keys, but return each run of consecutive keys as one range, in order "
+                     f"(sorted, merged, no empty ranges): {_merged(got)}.")
     return "\n".join(lines)
 
 
@@ -90,14 +97,17 @@ def check_ancestor_keys(
     """Check ``fn(subtree_end, q0) -> [(start, end), ...]`` against :func:`ancestor_keys`.
 
     ``fn`` gets ``subtree_end`` as a list of ints and must return the half-open packed ranges of the
-    keys ``k < q0`` that query ``q0`` sees; any order and any split of the ranges is accepted. Runs on
-    ``trials`` fresh random tries (``seed=None``: new ones every call), with ``q0`` at tile starts and
-    elsewhere. Prints ``pass`` or ``fail`` with the first failing case and a hint; returns the verdict.
+    keys ``k < q0`` that query ``q0`` sees, sorted and merged (each run of consecutive keys one range, as
+    the kernel's schedule lists them). Runs on ``trials`` fresh random tries (``seed=None``: new ones
+    every call), smallest first, with ``q0`` at tile starts and elsewhere, in increasing order, so the
+    first failing case is a short one. Prints ``pass`` or ``fail`` with that case and a hint; returns the
+    verdict.
     """
     rng = random.Random(seed)
+    packs = sorted((RolloutTrie.from_sequences(random_rollouts(rng)).pack() for _ in range(trials)),
+                   key=lambda p: p.num_tokens)
     cases = 0
-    for _ in range(trials):
-        pack = RolloutTrie.from_sequences(random_rollouts(rng)).pack()
+    for pack in packs:
         se = pack.subtree_end.tolist()
         T = len(se)
         starts = {0, T - 1, rng.randrange(T)} | set(range(0, T, 8))
@@ -108,7 +118,7 @@ def check_ancestor_keys(
             except Exception as e:  # the learner's bug, reported rather than raised
                 if verbose:
                     print(f"fail: fn(subtree_end, q0={q0}) raised {type(e).__name__}: {e}")
-                    print(f"  subtree_end = {se}")
+                    print(f"  subtree_end[:q0 + 1] = {se[:q0 + 1]}")
                     print("hint: return a list of (start, end) pairs, end exclusive, e.g. [(0, 5), (9, 12)].")
                 return False
             cases += 1
