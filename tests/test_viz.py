@@ -416,3 +416,21 @@ def test_dilation_results_are_bars_with_a_scale_per_window():
     _assert_fits(fig)
     with pytest.raises(ValueError, match="models"):
         viz.draw_dilation_results({"summary": [], "config": result["config"]})
+
+
+def test_fit_title_wraps_each_line_and_keeps_bold_runs_whole():
+    text, lines = style.fit_title("Head<br><sup>" + "word " * 60 + "<b>99% skipped now</b> tail</sup>", 400)
+    parts = text.split("<br>")
+    assert lines == len(parts) > 3 and parts[0] == "Head"
+    assert all(p.startswith("<sup>") and p.endswith("</sup>") for p in parts[1:])
+    assert any("<b>99% skipped now</b>" in p for p in parts)
+
+
+def test_tile_schedule_title_clears_the_key_axis_on_top():
+    from treeattn_lab.bench.tree import branching_rollouts
+
+    pack = RolloutTrie.from_sequences(branching_rollouts(2, 48, [(4, 24)])).pack()
+    fig = viz.draw_tile_schedule(pack, 16, 16, title="a long title " * 8)
+    _assert_fits(fig)
+    lines = fig.layout.title.text.count("<br>") + 1
+    assert fig.layout.margin.t >= 70 + 22 * lines  # the key axis (ticks and its title) sits above the map

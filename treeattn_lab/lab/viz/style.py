@@ -12,6 +12,7 @@ partition and ring drawings (:data:`PALETTE`).
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ MAX_FIGURE_WIDTH = 980  # px: the widest a drawing sets; the output area at a 12
 TITLE_FONT_PX = 17  # plotly's default title size
 LOG_AXIS = dict(type="log", exponentformat="power")  # log axes tick as 10^3, not 1e+3 or 1k
 TABLE_HEADER_COLOR = "#2F5D8A"
+_KEEP = "\u00a0"  # a space textwrap does not break at
 TABLE_CELL_COLOR = "#F7F7F7"
 
 
@@ -77,7 +79,10 @@ def fit_title(text: str, width_px: float) -> tuple[str, int]:
     for part in text.split("<br>"):
         sup = part.startswith("<sup>") and part.endswith("</sup>")
         body = part[5:-6] if sup else part
-        pieces = textwrap.wrap(body, int(chars * 1.45) if sup else chars) or [""]
+        body = re.sub(r"<b>.*?</b>", lambda m: m.group(0).replace(" ", _KEEP), body)  # never split a tag
+        pieces = [
+            p.replace(_KEEP, " ") for p in textwrap.wrap(body, int(chars * 1.45) if sup else chars)
+        ] or [""]
         lines += [f"<sup>{p}</sup>" for p in pieces] if sup else pieces
     return "<br>".join(lines), len(lines)
 

@@ -11,7 +11,7 @@ import math
 
 import plotly.graph_objects as go
 
-from .style import MASK_COLORSCALE, legend_entry, stepped_colorscale
+from .style import MASK_COLORSCALE, fit_title, legend_entry, stepped_colorscale
 
 TILE_SKIPPED, TILE_FULL, TILE_PARTIAL = 0, 1, 2
 TILE_NAMES = ("skipped", "full", "partial")
@@ -178,12 +178,16 @@ def draw_tile_schedule(
     if group > 1:
         sub += f"<br>each cell shows {group} x {group} tiles (coloured by its most expensive tile)"
     side = 760 if not draw_elements else max(440, min(760, 2 * T + 160))
+    text, lines = fit_title(
+        f"{head}<br>" + "<br>".join(f"<sup>{s}</sup>" for s in sub.split("<br>")), side + 200
+    )
+    top = 75 + 22 * lines  # the title, then the key axis (ticks and title) on top of the map
     fig.update_layout(
-        title=dict(text=f"{head}<br><sup>{sub}</sup>"),
+        title=dict(text=text, y=1, yanchor="top", pad=dict(t=10)),
         template="plotly_white",
         width=side + 200,
-        height=side + (60 if group > 1 else 40),
-        margin=dict(l=60, r=20, t=150 if group > 1 else 130, b=40),
+        height=side + top - 90,
+        margin=dict(l=60, r=20, t=top, b=40),
         legend=dict(title="key tiles per query tile", x=1.02, y=1, yanchor="top"),
         meta=dict(skipped=skipped, full=full, partial=partial, total=total, causal=causal, group=group),
         plot_bgcolor="white",
