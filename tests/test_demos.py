@@ -123,3 +123,29 @@ def test_rat_live_config_is_the_quick_models_on_shorter_windows():
     cfg = demos.rat_live_config()
     assert (cfg.dim, cfg.n_layers) == (MODES["quick"].dim, MODES["quick"].n_layers)
     assert 16 in cfg.dilations and cfg.seq_len < MODES["quick"].seq_len
+
+
+def test_run_with_progress_returns_and_reraises():
+    assert demos.run_with_progress(lambda: 42, expected_s=1, desc="x") == 42
+
+    def fails():
+        raise TimeoutError("ranks hung")
+
+    with pytest.raises(TimeoutError, match="ranks hung"):
+        demos.run_with_progress(fails, expected_s=1, desc="x")
+
+
+def test_micro_batch_modes_colour_by_mode():
+    from treeattn_lab.datasets import load_rollouts
+    from treeattn_lab.lab import live, viz
+
+    trie = RolloutTrie.from_sequences(load_rollouts("grpo_math")[:12])
+    rows = viz.micro_batch_choices(trie, token_budget=2048, block_tokens=256)
+    modes = live.micro_batch_modes(trie, rows)
+    assert set(modes.values()) <= {"flat", "packed", "dfs", live.SHARED}
+    by_batch = viz.micro_batch_colors(trie, rows)
+    assert set(modes) == set(by_batch)
+    for node, label in by_batch.items():
+        assert modes[node] == (live.SHARED if label == live.SHARED else label.split(": ")[1])
+    fig = live.draw_micro_batch_modes(trie, rows, title="t")
+    assert fig.layout.title.text.startswith("t (")

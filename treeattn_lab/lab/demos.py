@@ -34,6 +34,7 @@ __all__ = [
     "measured_on",
     "median_seconds",
     "rat_live_config",
+    "run_with_progress",
     "sparse_against_dense",
     "sparse_gather_plan",
     "threads",
@@ -254,3 +255,25 @@ def rat_live_config():
 
     return replace(MODES["quick"], seq_len=128, batch_size=8, steps=60, dilations=(1, 16), adapt_steps=10,
                    eval_windows=16)
+
+
+# ---------------------------------------------------------------------------------------- progress
+def run_with_progress(fn: Callable[[], object], *, expected_s: float, desc: str):
+    """``fn()`` with a ``tqdm.auto`` bar that advances with the seconds elapsed (up to ``expected_s``)
+    while ``fn`` runs in a worker thread, for blocking calls (spawned ranks) that report no steps of
+    their own. Returns ``fn``'s value; re-raises its exception."""
+    import concurrent.futures
+
+    from tqdm.auto import tqdm
+
+    total = max(1, round(expected_s))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, tqdm(total=total, desc=desc, unit="s") as bar:
+        future = pool.submit(fn)
+        start = time.monotonic()
+        while not concurrent.futures.wait([future], timeout=0.5).done:
+            bar.n = min(total - 1, int(time.monotonic() - start))
+            bar.refresh()
+        value = future.result()  # re-raises fn's exception
+        bar.n = total
+        bar.set_postfix_str(f"done in {time.monotonic() - start:.0f} s")
+    return value
