@@ -8,7 +8,7 @@ All take ``q [B, N, Hq, D]``, ``k, v [B, S, Hkv, D]`` (grouped-query heads allow
 - :func:`suffix_causal` (DFS): N new tokens of one root-to-leaf path after S - N stored prefix tokens;
   query i sees keys ``0 .. S - N + i`` (the causal mask aligned to the bottom right).
 - :func:`prefix_tree` (DFS, a packed span): N new tokens after S - N stored prefix tokens, under an
-  explicit ``[N, S]`` boolean mask (every prefix key, and the tree rule inside the span).
+  explicit ``[N, S]`` mask, boolean or additive (every prefix key, and the tree rule inside the span).
 - :func:`packed_tree` (packed): one batch row holding a whole :class:`TreePack`; tree attention.
 """
 

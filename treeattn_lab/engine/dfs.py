@@ -174,6 +174,28 @@ def span_mask(state: PathState, block: Block) -> torch.Tensor | None:
     return torch.cat([inside.new_ones(n, block.position), inside], dim=1)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as the additive bias attention kernels take (0 where seen, -inf elsewhere) in ``dtype``,
+    rows aligned to 16 elements: built once per call and shared by every layer as it is (no kernel pads
+    or converts a copy per layer, and autograd saves that one tensor for all of them)."""
+    n, s = mask.shape
+    bias = mask.new_full((n, -(-s // 16) * 16), float("-inf"), dtype=dtype)[:, :s]
+    return bias.masked_fill_(mask, 0.0)
+
+
+class _SpanBias:
+    """The additive mask of a block (None for a chain), made on the first layer's call."""
+
+    def __init__(self, state: PathState, block: Block):
+        self.mask = span_mask(state, block)
+        self.bias = None
+
+    def __call__(self, dtype: torch.dtype):
+        if self.mask is not None and self.bias is None:
+            self.bias = additive_mask(self.mask, dtype)
+        return self.bias
+
+
 def _after_prefix(q, k, v, prefix_k, prefix_v, mask, scale):
     """Attention of a block's queries over the stored prefix followed by its own keys."""
     keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
@@ -188,12 +210,13 @@ class PrefixRead:
 
     def __init__(self, state: PathState, block: Block):
         self.state, self.block = state, block
-        self.mask = span_mask(state, block)
+        self.bias = _SpanBias(state, block)
 
     def __call__(self, layer: int, q, k, v, scale=None):
         st, p = self.state, self.block.position
         st.ensure(layer, k)
-        return _after_prefix(q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], self.mask, scale)
+        bias = self.bias(q.dtype)
+        return _after_prefix(q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], bias, scale)
 
 
 class BlockRun:
@@ -202,7 +225,7 @@ class BlockRun:
     def __init__(self, state: PathState, block: Block, with_grad: bool):
         self.state, self.block, self.with_grad = state, block, with_grad
         n = state.num_layers
-        self.mask = span_mask(state, block) if with_grad else None  # a push is a chain: causal
+        self.bias = _SpanBias(state, block)  # a push is a chain: None
         self.prefix_k: list[torch.Tensor | None] = [None] * n  # detached leaves (with_grad only)
         self.prefix_v: list[torch.Tensor | None] = [None] * n
         self.new_k: list[torch.Tensor | None] = [None] * n  # this block's own K/V, kept for injection
@@ -224,7 +247,8 @@ class BlockRun:
             self.prefix_k[layer] = st.k[layer][None, :p].detach().requires_grad_(True)
             self.prefix_v[layer] = st.v[layer][None, :p].detach().requires_grad_(True)
             self.new_k[layer], self.new_v[layer] = k, v
-        return _after_prefix(q, k, v, self.prefix_k[layer], self.prefix_v[layer], self.mask, scale)
+        bias = self.bias(q.dtype)
+        return _after_prefix(q, k, v, self.prefix_k[layer], self.prefix_v[layer], bias, scale)
 
     def backward(self, loss) -> None:
         """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V, then add the

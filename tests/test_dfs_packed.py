@@ -1,0 +1,177 @@
+"""DFS of packed subtrees: the walk the engine runs (every tree token once with autograd, only the spine
+pushed, every call within the block budget), the attention mask of a packed span (exactly the pack's tree
+rule beside the stored prefix), exact gradients with never-written path slots poisoned with NaN, and the
+``bench train`` pieces that measure it (scaled sets, the profiler row, memory-limited auto, targets)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import orders, rollout_forests
+from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
+from treeattn_lab import RolloutTrie
+from treeattn_lab.bench import train as bench_train
+from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, tree_backward
+from treeattn_lab.engine import dfs as engine_dfs
+from treeattn_lab.reference import TinyLM, TinyLMConfig
+
+# two prompts; below the first, small subtrees (packed whole at 8 tokens) beside one too large for a block
+SUBTREES = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13],
+    [1, 2, 3, 4, 5, 6, 20, 21, 22],
+    [1, 2, 3, 4, 5, 6, 20, 21, 23, 24],
+    [1, 2, 3, 4, 5, 6, 20, 25],
+    [1, 2, 3, 4, 5, 6, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40],
+    [1, 2, 3, 4, 5, 6, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 41, 42],
+    [1, 2, 3],
+    [9, 8, 7, 6],
+    [9, 8, 7, 6, 5],
+]
+
+
+def grad_ranges(events):
+    return sorted((b.start, b.end) for e, b in events if e != "push")
+
+
+@given(rollout_forests(max_sequences=8, max_len=16), orders, st.integers(1, 9))
+@settings(max_examples=60)
+def test_packed_walk_runs_every_token_once_within_the_budget(seqs, order, block_tokens):
+    pack = RolloutTrie.from_sequences(seqs).pack(order=order)
+    blocks, events = engine_dfs.walk(pack, block_tokens)
+    _, chains = engine_dfs.walk(pack, block_tokens, packed_subtrees=False)
+    covered = [t for a, b in grad_ranges(events) for t in range(a, b)]
+    assert covered == list(range(pack.num_tokens))  # every tree token with autograd exactly once
+    for event, b in events:
+        assert 0 < b.end - b.start <= block_tokens
+        if event == "push":
+            assert b.has_children and not b.tree  # only the spine is pushed, one chain block at a time
+    pushed = [b for e, b in events if e == "push"]
+    assert pushed == [b for b in blocks if b.has_children]
+    assert len(events) <= len(chains)
+    assert sum(b.end - b.start for b in pushed) <= sum(b.end - b.start for e, b in chains if e == "push")
+    subtree_end = pack.subtree_end.tolist()
+    for _, b in events:  # a span's prefix is the stack: exactly the ancestors of its first token
+        ancestors = [k for k in range(b.start) if subtree_end[k] > b.start]
+        assert len(ancestors) == b.position
+        assert all(subtree_end[k] >= b.end for k in ancestors)  # ... and of every token in the span
+
+
+@given(rollout_forests(max_sequences=8, max_len=16), orders, st.integers(1, 9))
+@settings(max_examples=60)
+def test_span_mask_is_the_tree_rule_beside_the_prefix(seqs, order, block_tokens):
+    pack = RolloutTrie.from_sequences(seqs).pack(order=order)
+    state = engine_dfs.PathState(1, int(pack.seq_lengths.max()), subtree_end=pack.subtree_end)
+    subtree_end = pack.subtree_end
+    for _, b in engine_dfs.walk(pack, block_tokens)[1]:
+        n, p = b.end - b.start, b.position
+        q = torch.arange(b.start, b.end)[:, None]
+        k = torch.arange(b.start, b.end)[None, :]
+        rule = (k <= q) & (q < subtree_end[k])
+        mask = engine_dfs.span_mask(state, b)
+        if mask is None:  # a chain: causal after the prefix is the rule
+            assert torch.equal(rule, torch.ones(n, n, dtype=torch.bool).tril())
+            continue
+        assert mask.shape == (n, p + n) and bool(mask[:, :p].all())
+        assert torch.equal(mask[:, p:], rule)
+        bias = engine_dfs.additive_mask(mask, torch.float32)  # what the layers attend under
+        assert torch.equal(bias == 0, mask) and bool(torch.isneginf(bias[~mask]).all())
+        assert bias.stride(0) % 16 == 0
+
+
+class NanPath(engine_dfs.PathState):
+    """A path whose K/V start as NaN: a slot read before it is written poisons the gradients."""
+
+    def ensure(self, layer, like):
+        fresh = self.k[layer] is None
+        super().ensure(layer, like)
+        if fresh:
+            self.k[layer].fill_(float("nan"))
+            self.v[layer].fill_(float("nan"))
+
+
+@pytest.mark.parametrize("block_tokens", [1, 3, 8, 64])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_subtrees_equal_flat_with_unwritten_slots_poisoned(block_tokens, checkpointing, monkeypatch):
+    seqs = SUBTREES + CASES[0]
+    pack = RolloutTrie.from_sequences(seqs).pack()
+    events = engine_dfs.walk(pack, block_tokens)[1]
+    if block_tokens == 8:  # packed subtrees and spans of siblings, beside pushed chains
+        assert any(b.tree for _, b in events) and any(e == "push" for e, _ in events)
+    model = tiny_lm(seed=3, checkpointing=checkpointing)
+    weights = random_weights(seqs, 13)
+    expected, expected_losses = flat_gradients(model, seqs, weights)
+    monkeypatch.setattr(engine_dfs, "PathState", NanPath)
+    result = tree_backward(
+        model, RolloutTrie.from_sequences(seqs), weights, mode="dfs", block_tokens=block_tokens
+    )
+    assert_grads_close(model, expected, 1e-9)
+    torch.testing.assert_close(result.losses, expected_losses, rtol=1e-9, atol=1e-12)
+    assert result.report.grad_tokens == result.report.tree_tokens
+    recomputed = sum(b.end - b.start for e, b in events if e == "push")
+    assert result.report.no_grad_tokens == recomputed
+
+
+def test_cost_model_reads_the_packed_walk():
+    trie = RolloutTrie.from_sequences(bench_train.rollout_set("agentic", shrink=32))
+    shape = MicroBatchShape.of(trie, 128)
+    pack = trie.pack()
+    chains = engine_dfs.walk(pack, 128, packed_subtrees=False)[1]
+    packed = engine_dfs.walk(pack, 128)[1]
+    assert shape.dfs_calls == len(packed) < len(chains)
+    assert shape.recomputed_tokens == sum(b.end - b.start for e, b in packed if e == "push")
+    assert shape.max_block == max(b.end - b.start for _, b in packed) <= 128
+
+
+# ------------------------------------------------------------------------------------ bench train
+def test_rollout_sets_scaled_down_and_copied():
+    base = RolloutTrie.from_sequences(bench_train.rollout_set("agentic"))
+    small = RolloutTrie.from_sequences(bench_train.rollout_set("agentic", shrink=32))
+    assert small.num_nodes == base.num_nodes and small.num_sequences == base.num_sequences
+    assert small.stats()["tree_tokens"] < base.stats()["tree_tokens"] / 20
+    copies = RolloutTrie.from_sequences(bench_train.rollout_set("agentic_x4", shrink=32))
+    assert copies.num_sequences == 4 * small.num_sequences
+    assert copies.stats()["tree_tokens"] == 4 * small.stats()["tree_tokens"] + 4  # one new first token each
+
+
+def small_model():
+    torch.manual_seed(0)
+    cfg = TinyLMConfig(vocab_size=32000, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=16)
+    return TinyLM(cfg)
+
+
+def test_profile_row_counts_ops_and_host_syncs():
+    model = small_model()
+    trie = RolloutTrie.from_sequences(bench_train.rollout_set("agentic", shrink=256, first=6))
+    row = bench_train.profile_step(model, trie, mode="dfs", block_tokens=16, token_budget=64)
+    assert row["mode"] == "dfs" and row["aten_ops"] > 0 and row["host_syncs"] >= 0
+    assert row["wall_s"] > 0 and row["profiled_wall_s"] > 0
+    assert all(p.grad is None for p in model.parameters())  # the profiled calls leave no gradient behind
+
+
+def test_memory_limited_auto_on_a_large_set_chooses_dfs_and_meets_its_targets():
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    prior = CostModel()
+    fitted = CostModel(
+        time=prior.time,
+        memory={"flat": [0.0, 1e6, 0.0], "packed": [0.0, 1e6, 0.0], "dfs": [0.0, 1e3, 1e3]},
+        calibrated=True,
+        fit_info={m: {"memory": "nnls"} for m in MODES},
+    )
+    rows = bench_train.train_rows(
+        model, optimizer, fitted, ["agentic_x2"], quick=True, reps=1, memory_limit=1e6,
+        block_tokens=32, token_budget=256,
+    )  # fmt: skip
+    assert [r["mode"] for r in rows] == ["flat", "auto"]
+    auto = rows[1]
+    assert auto["choices"] == "dfs" and auto["memory_limit_gib"] == pytest.approx(1e6 / 2**30)
+    checks = bench_train.targets(rows, [], [{"set": "agentic", "mode": "dfs", "busy_share": 0.9}])
+    names = {c["target"]: c for c in checks}
+    assert names["agentic_x2: auto chose dfs"]["met"]
+    assert "agentic_x2: auto (dfs) >= 1.0 x flat" in names
+    assert names["agentic: GPU busy (kernel time / wall) of a dfs step >= 0.85"]["met"]
+
