@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import MASK_COLORSCALE, fit_title, fit_width
+from .style import MASK_COLORSCALE, above_plot, fit_title, fit_width
 
 
 def _as_bool_rows(mask) -> list[list[int]]:
@@ -54,12 +54,13 @@ def draw_mask(mask_bool_2d, *, title: str | None = None, x_title: str = "key", y
     side = max(300, min(700, 12 * max(n_q, n_k) + 120))
     width = fit_width(max(side, 480))  # room for the title beside a small mask
     text, lines = fit_title(title or f"mask {n_q} x {n_k}: {sum(map(sum, rows))} pairs attended", width)
-    top = 70 + 22 * lines  # the title, then the key axis (ticks and title) on top of the mask
+    top = 78 + 22 * lines  # the title, then the key axis (ticks and title) on top of the mask
+    cell = min((side - 80) / n_k, (side - 80) / n_q)  # square cells; a wide mask gets a low figure
     fig.update_layout(
-        title=dict(text=text, y=1, yanchor="top", pad=dict(t=10)),
+        title=above_plot(text, lines, 62),  # clear of the key axis on top
         template="plotly_white",
         width=width,
-        height=side + top - 10,
+        height=int(max(160, cell * n_q) + top + 20),
         margin=dict(l=60, r=20, t=top, b=20),
     )
     fig.update_xaxes(title=x_title, side="top", constrain="domain", showgrid=False)
@@ -123,7 +124,7 @@ def draw_masks_side_by_side(
     text, lines = fit_title(title, width) if title else ("", 0)
     top = 70 + 22 * lines  # the title, then two lines of subplot title
     fig.update_layout(
-        title=dict(text=text, y=1, yanchor="top", pad=dict(t=10)) if title else None,
+        title=above_plot(text, lines, 48) if title else None,  # clear of the subplot titles
         template="plotly_white",
         height=int(max(260, panel) + top + 50),
         width=width,

@@ -30,6 +30,7 @@ BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "re
 MODE_COLORS = {"flat": "#888888", "packed": "#4C78A8", "dfs": "#E45756", "auto": "#54A24B"}
 MAX_FIGURE_WIDTH = 980  # px: the widest a drawing sets; the output area at a 1280-px window is wider
 TITLE_FONT_PX = 17  # plotly's default title size
+LINE_PX = 22  # the height of one title line
 LOG_AXIS = dict(type="log", exponentformat="power")  # log axes tick as 10^3, not 1e+3 or 1k
 TABLE_HEADER_COLOR = "#2F5D8A"
 _KEEP = "\u00a0"  # a space textwrap does not break at
@@ -85,6 +86,13 @@ def fit_title(text: str, width_px: float) -> tuple[str, int]:
         ] or [""]
         lines += [f"<sup>{p}</sup>" for p in pieces] if sup else pieces
     return "<br>".join(lines), len(lines)
+
+
+def above_plot(text: str, lines: int, gap_px: int) -> dict:
+    """A plotly title of ``lines`` lines (:func:`fit_title`) whose last line sits ``gap_px`` above the
+    plot area, clear of an axis or subplot titles on top. Plotly anchors a title by its first line, so
+    the pad lifts it by the lines below that one."""
+    return dict(text=text, yref="paper", y=1, yanchor="bottom", pad=dict(b=gap_px + LINE_PX * (lines - 1)))
 
 
 def table_figure(

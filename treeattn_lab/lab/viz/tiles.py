@@ -11,7 +11,7 @@ import math
 
 import plotly.graph_objects as go
 
-from .style import MASK_COLORSCALE, fit_title, legend_entry, stepped_colorscale
+from .style import MASK_COLORSCALE, above_plot, fit_title, legend_entry, stepped_colorscale
 
 TILE_SKIPPED, TILE_FULL, TILE_PARTIAL = 0, 1, 2
 TILE_NAMES = ("skipped", "full", "partial")
@@ -183,7 +183,7 @@ def draw_tile_schedule(
     )
     top = 75 + 22 * lines  # the title, then the key axis (ticks and title) on top of the map
     fig.update_layout(
-        title=dict(text=text, y=1, yanchor="top", pad=dict(t=10)),
+        title=above_plot(text, lines, 55),  # clear of the key axis on top
         template="plotly_white",
         width=side + 200,
         height=side + top - 90,
