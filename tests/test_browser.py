@@ -1,11 +1,18 @@
-"""The lab in a real browser: JupyterLab runs the notebooks, widgets and plots render, the monitor is live.
+"""In a real browser: JupyterLab runs every notebook, figures fit, widgets render, the monitor is live.
 
-Starts JupyterLab headless on loopback (a free port, no token, every JUPYTER_* folder in a temp dir,
+Starts one JupyterLab headless on loopback (a free port, no token, every JUPYTER_* folder in a temp dir,
 ``TREEATTN_QUICK=1``) over a *copy* of ``notebooks/`` (JupyterLab autosaves outputs into the files it
 serves; the committed notebooks must stay clean), drives Debian's chromium through Playwright (never a
-downloaded browser), runs all cells and reads the result from the page: the notebook model (through
-``--LabApp.expose_app_in_browser``) for errors, the DOM for rendered plotly figures and ipywidgets.
-Screenshots land in ``build/browser/``.
+downloaded browser) in a 1280-px-wide window, and runs every notebook in turn, one kernel at a time
+(each is shut down before the next notebook opens). From the page it reads, per notebook:
+
+- the notebook model (through ``--LabApp.expose_app_in_browser``): every code cell ran, none errored;
+- the DOM: every plotly output and every widget output rendered (an svg, a widget view, no "Error
+  displaying widget"), no output area scrolls sideways (``scrollWidth <= clientWidth``), and no plotly
+  figure is wider than its output area.
+
+Screenshots land in ``build/browser/``: ``<notebook>.png`` (the window at the notebook's first figure)
+and ``<notebook>/cell<NN>.png`` (each figure output), to review how the figures read.
 
 Needs ``/usr/bin/chromium`` (``make browser`` installs it with apt-get) and Playwright for Python (dev
 extras). Without them the tests skip, except under CI (``CI`` or ``TREEATTN_REQUIRE_BROWSER=1`` set), where
@@ -14,6 +21,7 @@ they fail: CI installs the browser, so a missing one is a broken setup.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +39,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.xdist_group("browser")]  # one se
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPO / "notebooks"
+NOTEBOOKS = sorted(p.name for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 SCREENSHOT_DIR = REPO / "build" / "browser"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -43,6 +52,8 @@ CHROMIUM_ARGS = [
 ]
 SERVER_START_S = 60
 RUN_ALL_S = 240  # Run All Cells of one quick-mode notebook
+WINDOW = {"width": 1280, "height": 1000}  # the window width every figure must fit (file browser folded)
+FIGURE_DRAW_MS = 10_000  # the longest a plotly output may take to draw once on screen
 
 # user settings of the temp JupyterLab: every cell kept in the DOM, no news or update checks
 LAB_SETTINGS = {
@@ -189,11 +200,12 @@ def _open_and_run_all(browser, lab_url: str, name: str, *, while_running=None):
     """
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport=WINDOW)
     page.set_default_timeout(60_000)
     workspace = name.split("_")[0]
     page.goto(f"{lab_url}/lab/workspaces/w{workspace}/tree/notebooks/{name}")
     page.wait_for_selector(".jp-Notebook .jp-Cell")
+    page.evaluate("() => window.jupyterapp.shell.collapseLeft()")  # the notebook gets the window's width
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
     page.wait_for_function(KERNEL_READY_JS)  # clicking Run All before the kernel connects may do nothing
     for attempt in range(2):  # a click lost to a race shows as no cell starting: click once more
@@ -220,39 +232,128 @@ def _assert_clean_run(name: str, cells: list[dict]) -> None:
     assert not not_run, f"{name}: code cells {not_run} did not run"
 
 
-def _screenshot(page, name: str) -> Path:
-    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+def _screenshot(target, name: str) -> Path:
+    """A PNG of ``target`` (the page's window, or one element) at ``build/browser/<name>.png``."""
     path = SCREENSHOT_DIR / f"{name}.png"
-    page.screenshot(path=str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target.screenshot(path=str(path))
     return path
 
 
-def test_rollout_tries_notebook_runs_in_jupyterlab(lab_url, browser):
-    name = "01_rollout_tries.ipynb"
-    committed = (NOTEBOOK_DIR / name).read_bytes()
-    page, cells = _open_and_run_all(browser, lab_url, name)
-    try:
-        _assert_clean_run(name, cells)
-        # tracebacks render as stderr text in the DOM too; none may appear
-        tracebacks = page.locator(
-            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']:has-text('Traceback')"
-        )
-        assert tracebacks.count() == 0
-        # plain figures (the plotly mime renderer) and the FigureWidget, each drawn as an svg
-        plots = page.locator(".jp-OutputArea .js-plotly-plot:has(svg.main-svg)")
-        assert plots.count() >= 6, "the plotly figures did not render"
-        slider = page.locator(".widget-slider").first
-        slider.wait_for(state="attached")
-        assert page.locator(".widget-dropdown").count() >= 1, "the explorer's dropdown did not render"
-        # the explorer (a FigureWidget driven by the controls) holds the redrawn trie
-        explorer = page.locator(".jp-OutputArea-output:has(.widget-slider) .js-plotly-plot")
-        assert explorer.count() == 1
-        assert "agentic, rollout 5" in explorer.first.inner_text()
-        slider.scroll_into_view_if_needed()
-        assert _screenshot(page, "01_rollout_tries").stat().st_size > 10_000
-    finally:
-        page.close()
-    assert (NOTEBOOK_DIR / name).read_bytes() == committed, "the committed notebook was modified"
+# One entry per output of every code cell, read from the model (its kind) and from the DOM node that shows it
+# (the output area's children follow the model's outputs one to one): how wide it is, what it holds.
+OUTPUTS_JS = """() => {
+    const PLOTLY = 'application/vnd.plotly.v1+json', WIDGET = 'application/vnd.jupyter.widget-view+json';
+    const nb = (NB)().content;
+    const out = [];
+    for (let i = 0; i < nb.model.cells.length; i++) {
+        const cell = nb.model.cells.get(i);
+        if (cell.type !== 'code') continue;
+        const outputs = cell.outputs.toJSON();
+        const children = nb.widgets[i].node.querySelectorAll('.jp-OutputArea-child');
+        outputs.forEach((o, j) => {
+            const data = o.data || {};
+            const kind = PLOTLY in data ? 'plotly' : WIDGET in data ? 'widget' : o.output_type;
+            const node = children[j] && children[j].querySelector('.jp-OutputArea-output');
+            const entry = {cell: i, output: j, kind: kind, found: !!node};
+            if (node) {
+                const plots = [...(node.matches('.js-plotly-plot') ? [node] : []),
+                               ...node.querySelectorAll('.js-plotly-plot')];
+                const svgs = plots.flatMap(p => [...p.querySelectorAll(':scope > div svg.main-svg')]);
+                Object.assign(entry, {
+                    scroll_width: node.scrollWidth,
+                    client_width: node.clientWidth,
+                    svg_widths: svgs.map(s => Math.ceil(s.getBoundingClientRect().width)),
+                    plots: plots.length,
+                    drawn: plots.filter(p => p.querySelector('svg.main-svg')).length,
+                    widgets: node.querySelectorAll('.jupyter-widgets, .widget-output').length,
+                    broken: /Error displaying widget|Loading widget|Javascript Error/.test(node.textContent),
+                    traceback: o.output_type === 'stream' && o.name === 'stderr' && /Traceback/.test(o.text),
+                });
+            }
+            out.push(entry);
+        });
+    }
+    return out;
+}""".replace("(NB)", f"({_NB})")
+
+
+def _layout_problems(outputs: list[dict]) -> list[str]:
+    """What is wrong with the outputs as :data:`OUTPUTS_JS` reads them: missing, unrendered, too wide."""
+    problems = []
+    for o in outputs:
+        where = f"cell {o['cell']} output {o['output']} ({o['kind']})"
+        if not o["found"]:
+            problems.append(f"{where}: not in the page")
+            continue
+        if o["traceback"]:
+            problems.append(f"{where}: a traceback on stderr")
+        if o["kind"] == "plotly" and not o["plots"]:
+            problems.append(f"{where}: the plotly figure did not render")
+        if o["kind"] == "widget" and (o["broken"] or not (o["widgets"] or o["plots"])):
+            problems.append(f"{where}: the widget did not render")
+        if o["drawn"] < o["plots"]:
+            problems.append(f"{where}: {o['plots'] - o['drawn']} of {o['plots']} plotly figures not drawn")
+        if o["scroll_width"] > o["client_width"] + 1:
+            problems.append(f"{where}: scrolls sideways ({o['scroll_width']} > {o['client_width']} px)")
+        too_wide = [w for w in o["svg_widths"] if w > o["client_width"] + 1]
+        if too_wide:
+            problems.append(f"{where}: a figure {max(too_wide)} px wide in {o['client_width']} px")
+    return problems
+
+
+def _reveal_figures(page, outputs: list[dict]) -> None:
+    """Scroll every plotly output into the window and wait until it is drawn: the plotly renderer draws a
+    figure only once its output is on screen."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    cell_nodes = page.locator(".jp-Notebook .jp-Cell")
+    for o in outputs:
+        if o["kind"] not in ("plotly", "widget") or not o["found"]:
+            continue
+        child = cell_nodes.nth(o["cell"]).locator(".jp-OutputArea-child").nth(o["output"])
+        child.scroll_into_view_if_needed()
+        if o["kind"] == "plotly":
+            with contextlib.suppress(PlaywrightTimeout):  # what stays undrawn is reported as not rendered
+                child.locator(".js-plotly-plot svg.main-svg").first.wait_for(
+                    state="attached", timeout=FIGURE_DRAW_MS
+                )
+
+
+def _save_figures(page, stem: str, outputs: list[dict]) -> Path | None:
+    """One PNG per figure output under ``build/browser/<stem>/``; the first figure's cell is scrolled into the
+    window for the notebook's screenshot. Returns the first figure's path."""
+    first = None
+    cell_nodes = page.locator(".jp-Notebook .jp-Cell")
+    for o in outputs:
+        if not o["found"] or not o["plots"]:
+            continue
+        child = cell_nodes.nth(o["cell"]).locator(".jp-OutputArea-child").nth(o["output"])
+        child.scroll_into_view_if_needed()
+        path = _screenshot(child, f"{stem}/cell{o['cell']:02d}")
+        if first is None:
+            first, first_child = path, child
+    if first is not None:
+        first_child.scroll_into_view_if_needed()
+    return first
+
+
+def _check_monitor_live(page, seen_while_running: list[int]) -> None:
+    """00: the LiveMonitor's figure grew in the page while its cell was still running."""
+    final = page.evaluate(MONITOR_JS)
+    assert final is not None and not final["running"]
+    assert final["points"] >= 2 and final["steps"] >= 3, final
+    assert seen_while_running, "never saw the monitor's cell running"
+    assert max(seen_while_running) >= 2, f"no live points while running: {seen_while_running[-10:]}"
+
+
+def _check_explorer(page) -> None:
+    """01: the trie explorer (a FigureWidget driven by a dropdown and a slider) redrew for the last cell."""
+    assert page.locator(".widget-slider").count() >= 1, "the explorer's slider did not render"
+    assert page.locator(".widget-dropdown").count() >= 1, "the explorer's dropdown did not render"
+    explorer = page.locator(".jp-OutputArea-output:has(.widget-slider) .js-plotly-plot")
+    assert explorer.count() == 1
+    assert "agentic, rollout 5" in explorer.first.inner_text()
 
 
 # points of the monitor's host-memory line in the page, and whether the monitor's cell is running
@@ -272,27 +373,39 @@ MONITOR_JS = f"""() => {{
     }}
     return null;
 }}"""
+SHUTDOWN_JS = f"() => ({_NB})().sessionContext.shutdown()"
 
 
-def test_welcome_notebook_monitor_draws_live(lab_url, browser):
-    name = "00_welcome.ipynb"
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_and_fits_in_jupyterlab(lab_url, browser, name):
+    stem = name.removesuffix(".ipynb")
+    committed = (NOTEBOOK_DIR / name).read_bytes()
     seen_while_running = []
 
-    def watch(page):
+    def watch_monitor(page):
         state = page.evaluate(MONITOR_JS)
         if state and state["running"]:
             seen_while_running.append(state["points"])
 
-    page, cells = _open_and_run_all(browser, lab_url, name, while_running=watch)
+    live = name.startswith("00_")
+    page, cells = _open_and_run_all(browser, lab_url, name, while_running=watch_monitor if live else None)
     try:
         _assert_clean_run(name, cells)
-        final = page.evaluate(MONITOR_JS)
-        assert final is not None and not final["running"]
-        assert final["points"] >= 2 and final["steps"] >= 3, final
-        # live: the figure in the page grew while the monitored cell was still running
-        assert seen_while_running, "never saw the monitor's cell running"
-        assert max(seen_while_running) >= 2, f"no live points while running: {seen_while_running[-10:]}"
-        page.evaluate(MONITOR_JS.replace("return {", "node.scrollIntoView(); return {", 1))
-        _screenshot(page, "00_welcome_monitor")
+        _reveal_figures(page, page.evaluate(OUTPUTS_JS))
+        outputs = page.evaluate(OUTPUTS_JS)
+        problems = _layout_problems(outputs)
+        _save_figures(page, stem, outputs)
+        _screenshot(page, stem)
+        assert not problems, f"{name} at a {WINDOW['width']}-px window:\n" + "\n".join(problems)
+        kinds = [o["kind"] for o in outputs]
+        assert "plotly" in kinds or "widget" in kinds, f"{name} shows no figure and no widget"
+        if live:
+            _check_monitor_live(page, seen_while_running)
+        if name.startswith("01_"):
+            _check_explorer(page)
     finally:
-        page.close()
+        try:
+            page.evaluate(SHUTDOWN_JS)  # the next notebook gets the CPU to itself
+        finally:
+            page.close()
+    assert (NOTEBOOK_DIR / name).read_bytes() == committed, "the committed notebook was modified"
