@@ -41,16 +41,20 @@ def grad_ranges(events):
 @settings(max_examples=60)
 def test_packed_walk_runs_every_token_once_within_the_budget(seqs, order, block_tokens):
     pack = RolloutTrie.from_sequences(seqs).pack(order=order)
-    blocks, events = engine_dfs.walk(pack, block_tokens)
+    blocks, events = engine_dfs.walk(pack, block_tokens, push_blocks=engine_dfs.PUSH_BLOCKS)
     _, chains = engine_dfs.walk(pack, block_tokens, packed_subtrees=False)
     covered = [t for a, b in grad_ranges(events) for t in range(a, b)]
     assert covered == list(range(pack.num_tokens))  # every tree token with autograd exactly once
     for event, b in events:
-        assert 0 < b.end - b.start <= block_tokens
+        budget = engine_dfs.PUSH_BLOCKS * block_tokens if event == "push" else block_tokens
+        assert 0 < b.end - b.start <= budget
         if event == "push":
-            assert b.has_children and not b.tree  # only the spine is pushed, one chain block at a time
+            assert b.has_children and not b.tree  # only the spine is pushed, a chain of blocks at a time
+        if event == "pop":
+            assert b in blocks  # ... and popped block by block
     pushed = [b for e, b in events if e == "push"]
-    assert pushed == [b for b in blocks if b.has_children]
+    pushed_tokens = [t for b in pushed for t in range(b.start, b.end)]
+    assert pushed_tokens == [t for b in blocks if b.has_children for t in range(b.start, b.end)]
     assert len(events) <= len(chains)
     assert sum(b.end - b.start for b in pushed) <= sum(b.end - b.start for e, b in chains if e == "push")
     subtree_end = pack.subtree_end.tolist()
@@ -98,7 +102,7 @@ class NanPath(engine_dfs.PathState):
 def test_packed_subtrees_equal_flat_with_unwritten_slots_poisoned(block_tokens, checkpointing, monkeypatch):
     seqs = SUBTREES + CASES[0]
     pack = RolloutTrie.from_sequences(seqs).pack()
-    events = engine_dfs.walk(pack, block_tokens)[1]
+    events = engine_dfs.walk(pack, block_tokens, push_blocks=engine_dfs.PUSH_BLOCKS)[1]
     if block_tokens == 8:  # packed subtrees and spans of siblings, beside pushed chains
         assert any(b.tree for _, b in events) and any(e == "push" for e, _ in events)
     model = tiny_lm(seed=3, checkpointing=checkpointing)
@@ -120,10 +124,11 @@ def test_cost_model_reads_the_packed_walk():
     shape = MicroBatchShape.of(trie, 128)
     pack = trie.pack()
     chains = engine_dfs.walk(pack, 128, packed_subtrees=False)[1]
-    packed = engine_dfs.walk(pack, 128)[1]
+    packed = engine_dfs.walk(pack, 128, push_blocks=engine_dfs.PUSH_BLOCKS)[1]
     assert shape.dfs_calls == len(packed) < len(chains)
     assert shape.recomputed_tokens == sum(b.end - b.start for e, b in packed if e == "push")
-    assert shape.max_block == max(b.end - b.start for _, b in packed) <= 128
+    assert shape.max_block == max(b.end - b.start for e, b in packed if e != "push") <= 128
+    assert any(b.end - b.start > 128 for e, b in packed if e == "push")  # a chain of pushes in one call
 
 
 # ------------------------------------------------------------------------------------ bench train
@@ -162,6 +167,7 @@ def test_memory_limited_auto_on_a_large_set_chooses_dfs_and_meets_its_targets():
         calibrated=True,
         fit_info={m: {"memory": "nnls"} for m in MODES},
     )
+    assert bench_train.measures_memory(fitted) and not bench_train.measures_memory(prior)
     rows = bench_train.train_rows(
         model, optimizer, fitted, ["agentic_x2"], quick=True, reps=1, memory_limit=1e6,
         block_tokens=32, token_budget=256,

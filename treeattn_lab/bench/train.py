@@ -255,6 +255,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def measures_memory(cost_model) -> bool:
+    """Whether ``cost_model`` can plan under a ``memory_limit``: calibrated, every mode's peak measured."""
+    return cost_model.calibrated and all(
+        cost_model.fit_info.get(m, {}).get("memory") != "prior" for m in MODES
+    )
+
+
 def bench_trie(name: str, quick: bool) -> RolloutTrie:
     """The trie of set ``name``; ``quick``: its first 12 rollouts, every node cut 32 times shorter."""
     return RolloutTrie.from_sequences(rollout_set(name, shrink=32, first=12) if quick else rollout_set(name))
@@ -342,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     cost_model = calibrate(model, **engine, seconds=args.calibration_s, use_cache=False)
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30
+    if limit is not None and not measures_memory(cost_model):
+        print(
+            f"warning: the cost model measured no peak memory on {device} (calibrated: "
+            f"{cost_model.calibrated}); the large sets run auto without a memory limit"
+        )
+        limit = None
     rows = train_rows(
         model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit, **engine
     )
@@ -372,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     extra = {"dtype": str(dtype), "params": n_params, "config": cfg.__dict__, **engine}
     extra.update(cost_model=cost_model.to_dict(), precision=precision, targets=checks, quick=quick)
-    extra.update(profile=profiles, memory_limit_gib=args.memory_limit_gib)
+    extra.update(profile=profiles, memory_limit_gib=None if limit is None else args.memory_limit_gib)
     path = write_results("train", rows, env, directory=args.out, extra=extra)
     print(f"wrote {path}")
     return 0

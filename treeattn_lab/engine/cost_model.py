@@ -11,7 +11,7 @@ Each mode's time for one micro-batch is a non-negative linear function of what i
   subtrees), their pairs, model calls (pushes, pops, packed spans of sibling leaves and subtrees).
 
 Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padded chunk, packed the
-whole micro-batch, dfs its largest call plus the K/V of the longest path).
+whole micro-batch, dfs its largest call with autograd plus the K/V of the longest path).
 
 **Fitting** (:meth:`CostModel.fit`, on the measurements of
 :func:`treeattn_lab.engine.calibration.calibrate`). A model call costs about the *larger* of its host time
@@ -49,7 +49,7 @@ from torch import nn
 
 from ..checks import check_int
 from ..trie import RolloutTrie
-from .dfs import walk
+from .dfs import PUSH_BLOCKS, walk
 from .modes import MODES, flat_chunks
 from .nnls import nnls, nnls_normalized
 
@@ -76,7 +76,7 @@ class MicroBatchShape:
     recomputed_tokens: int  # DFS: tokens of blocks with children, run once more without grad
     recomputed_pairs: int
     dfs_calls: int  # DFS: model calls (pushes, pops, packed spans of sibling leaves and subtrees)
-    max_block: int  # DFS: tokens of its largest call
+    max_block: int  # DFS: tokens of its largest call with autograd
     max_length: int
 
     @classmethod
@@ -85,7 +85,7 @@ class MicroBatchShape:
         lengths = trie.seq_lengths
         padded = [(len(c), lengths[c[0]]) for c in flat_chunks(lengths, token_budget)]  # (rows, longest)
         pack = trie.pack()
-        _, events = walk(pack, block_tokens, packed_subtrees=True)
+        _, events = walk(pack, block_tokens, packed_subtrees=True, push_blocks=PUSH_BLOCKS)
         pushed = [b for e, b in events if e == "push"]
         return cls(
             flat_tokens=sum(lengths),
@@ -97,7 +97,7 @@ class MicroBatchShape:
             recomputed_tokens=sum(b.end - b.start for b in pushed),
             recomputed_pairs=sum(_block_pairs(b) for b in pushed),
             dfs_calls=len(events),
-            max_block=max(b.end - b.start for _, b in events),
+            max_block=max(b.end - b.start for e, b in events if e != "push"),
             max_length=max(lengths),
         )
 

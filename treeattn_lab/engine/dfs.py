@@ -25,11 +25,14 @@ row, whose attention sees the whole stored prefix and, inside the span, the tree
 ``k <= q < subtree_end[k]`` of the pack. So only the spine above the spans is pushed and popped, and
 each span is one call, without padding.
 
+In the engine's training walk, consecutive pushes down one chain also run as one call
+(:func:`merge_pushes`): a push keeps no activations for backward.
+
 Each tree token is computed with gradients exactly once; blocks with children are also run once without
 (the ``recomputed`` tokens). Peak activation memory is that of one block, plus the path's K/V and
 gradient buffers. Children's K/V gradients are summed into the shared prefix child by child, so the result
-equals flat training on every rollout, up to floating-point rounding. The walk reads no tensor back to the
-host: every size and offset is known from the pack before the first call.
+equals flat training on every rollout, up to floating-point rounding. The walk reads nothing back from the
+model's device: every size and offset is known on the host from the pack before the first call.
 """
 
 from __future__ import annotations
@@ -315,11 +318,35 @@ class LinearScores:
         pass
 
 
-def walk(pack, block_tokens: int, *, packed_subtrees: bool = True):
-    """``(blocks, [(event, block it runs)])``: the events of the walk over ``pack``."""
+PUSH_BLOCKS = 4  # a chain of pushes runs as one call of at most this many blocks' tokens
+
+
+def merge_pushes(events: list[tuple[str, Block]], max_tokens: int) -> list[tuple[str, Block]]:
+    """Run consecutive pushes down one chain (each block the next one's parent, so their tokens and
+    positions follow each other) as one push of at most ``max_tokens`` tokens.
+
+    A push runs without autograd: it holds one layer's activations at a time, not every layer's, so a few
+    blocks at once stay far inside the memory of one block run with autograd. Its blocks still pop one by
+    one (each pop runs with autograd).
+    """
+    out: list[tuple[str, Block]] = []
+    for event, b in events:
+        if event == "push" and out and out[-1][0] == "push":
+            top = out[-1][1]
+            if top.end == b.start and b.end - top.start <= max_tokens:
+                out[-1] = ("push", Block(top.start, b.end, top.position, top.parent, has_children=True))
+                continue
+        out.append((event, b))
+    return out
+
+
+def walk(pack, block_tokens: int, *, packed_subtrees: bool = True, push_blocks: int = 1):
+    """``(blocks, [(event, block it runs)])``: the events of the walk over ``pack``, chains of pushes
+    run as one of at most ``push_blocks`` blocks' tokens (:func:`merge_pushes`)."""
     blocks = split_blocks(pack, block_tokens, packed_subtrees=packed_subtrees)
     events = group_sibling_leaves(visit_order(blocks), blocks, block_tokens)
-    return blocks, [(event, event_block(blocks, group)) for event, group in events]
+    events = [(event, event_block(blocks, group)) for event, group in events]
+    return blocks, (merge_pushes(events, push_blocks * block_tokens) if push_blocks > 1 else events)
 
 
 def _path_state(adapter, pack, with_grads: bool) -> PathState:
@@ -338,13 +365,15 @@ def run_dfs(adapter, pack, plan, block_tokens: int, scores=None, *, packed_subtr
     """Run one micro-batch's trie depth first; parameter gradients accumulate in ``.grad``.
 
     ``scores``: what each block's logits are scored with (default :class:`LinearScores` of ``plan``).
-    ``packed_subtrees``: run every subtree that fits a block as one packed span (what the engine's modes
-    do); without it every node is a chain of blocks, the walk :func:`split_blocks` describes.
+    ``packed_subtrees``: run every subtree that fits a block as one packed span and chains of pushes as
+    one call of up to :data:`PUSH_BLOCKS` blocks (what the engine's modes do); without it every node is a
+    chain of blocks, each pushed alone: the walk :func:`split_blocks` and :func:`visit_order` describe.
     Returns the entries' log-probs and token counts:
     ``{"entry_logp", "grad_tokens", "no_grad_tokens", "blocks", "path_bytes"}``.
     """
     scores = LinearScores(plan) if scores is None else scores
-    blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
+    push_blocks = PUSH_BLOCKS if packed_subtrees else 1
+    blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees, push_blocks=push_blocks)
     state = _path_state(adapter, pack, with_grads=True)
     entry_logp = _entry_logps(plan, adapter, pack)
     grad_tokens = no_grad_tokens = 0
@@ -381,7 +410,8 @@ def dfs_logprobs(
     """The entries' log-probs (and entropies) of one micro-batch, depth first and without autograd.
 
     Every block runs once: a block with children is pushed (its K/V stored on the path), a span of
-    sibling leaves runs as one packed call that reads the path. Memory: one block plus the path's K/V.
+    sibling leaves runs as one packed call that reads the path. Memory: one block (pushes too are scored
+    here, so they run block by block) plus the path's K/V.
     ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens", "path_bytes"}``.
     """
     _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
