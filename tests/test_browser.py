@@ -268,6 +268,7 @@ OUTPUTS_JS = """() => {
                     drawn: plots.filter(p => p.querySelector('svg.main-svg')).length,
                     widgets: node.querySelectorAll('.jupyter-widgets, .widget-output').length,
                     broken: /Error displaying widget|Loading widget|Javascript Error/.test(node.textContent),
+                    closed: kind === 'widget' && !node.textContent.trim() && !node.querySelector(':not(div)'),
                     traceback: o.output_type === 'stream' && o.name === 'stderr' && /Traceback/.test(o.text),
                 });
             }
@@ -290,7 +291,8 @@ def _layout_problems(outputs: list[dict]) -> list[str]:
             problems.append(f"{where}: a traceback on stderr")
         if o["kind"] == "plotly" and not o["plots"]:
             problems.append(f"{where}: the plotly figure did not render")
-        if o["kind"] == "widget" and (o["broken"] or not (o["widgets"] or o["plots"])):
+        # a widget closed by its cell (a finished progress bar that does not stay) leaves an empty output
+        if o["kind"] == "widget" and (o["broken"] or not (o["widgets"] or o["plots"] or o["closed"])):
             problems.append(f"{where}: the widget did not render")
         if o["drawn"] < o["plots"]:
             problems.append(f"{where}: {o['plots'] - o['drawn']} of {o['plots']} plotly figures not drawn")
@@ -409,3 +411,31 @@ def test_notebook_runs_and_fits_in_jupyterlab(lab_url, browser, name):
         finally:
             page.close()
     assert (NOTEBOOK_DIR / name).read_bytes() == committed, "the committed notebook was modified"
+
+
+def test_layout_problems_names_every_kind_of_failure():
+    """The checker itself (no browser): each broken output is reported, a clean one is not."""
+    clean = dict(found=True, traceback=False, plots=1, drawn=1, widgets=0, broken=False, closed=False)
+    clean.update(scroll_width=1100, client_width=1100, svg_widths=[980, 980])
+    outputs = [
+        dict(clean, cell=1, output=0, kind="plotly"),
+        dict(clean, cell=2, output=0, kind="plotly", svg_widths=[1400, 1400], scroll_width=1400),
+        dict(clean, cell=3, output=0, kind="plotly", plots=0, drawn=0, svg_widths=[]),
+        dict(clean, cell=4, output=1, kind="widget", broken=True),
+        dict(clean, cell=5, output=0, kind="widget", plots=2, drawn=1),
+        dict(cell=6, output=0, kind="plotly", found=False),
+        dict(clean, cell=7, output=0, kind="stream", plots=0, drawn=0, svg_widths=[], traceback=True),
+        dict(clean, cell=8, output=0, kind="widget", plots=0, drawn=0, svg_widths=[]),  # nothing drawn
+        dict(clean, cell=9, output=0, kind="widget", plots=0, drawn=0, svg_widths=[], closed=True),
+    ]
+    problems = _layout_problems(outputs)
+    assert not [p for p in problems if p.startswith("cell 1 ")]
+    assert any("cell 2 " in p and "scrolls sideways" in p for p in problems)
+    assert any("cell 2 " in p and "1400 px wide in 1100 px" in p for p in problems)
+    assert any("cell 3 " in p and "did not render" in p for p in problems)
+    assert any("cell 4 " in p and "widget did not render" in p for p in problems)
+    assert any("cell 5 " in p and "1 of 2 plotly figures not drawn" in p for p in problems)
+    assert any("cell 6 " in p and "not in the page" in p for p in problems)
+    assert any("cell 7 " in p and "traceback" in p for p in problems)
+    assert any("cell 8 " in p and "widget did not render" in p for p in problems)
+    assert not [p for p in problems if p.startswith("cell 9 ")]  # closed by its cell: nothing to show
