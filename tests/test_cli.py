@@ -148,3 +148,27 @@ def test_argparse_types_reject_bad_values(parse, text):
 def test_info_prints_a_report(capsys):
     code, out, _ = run_cli(["info"], capsys)
     assert code == 0 and "torch" in out
+
+
+@pytest.mark.parametrize(
+    ("module", "entry", "argv", "message"),
+    [
+        ("treeattn_lab.experiments.rat_dilation", "main", ["--steps", "0"], "positive integer"),
+        ("treeattn_lab.experiments.sparse_recall", "main", ["--windows", "a"], "positive integer"),
+        ("treeattn_lab.experiments.sparse_recall", "main", ["--budgets", "8", "0"], "positive integer"),
+        ("treeattn_lab.bench.multi_gpu_train", "_parse_args", ["--token-budget", "-1"], "positive integer"),
+        ("treeattn_lab.bench.multi_gpu_train", "_parse_args", ["--out", "FILE"], "--out"),
+        ("treeattn_lab.experiments.rat_dilation", "main", ["--out", "FILE"], "--out"),
+        ("treeattn_lab.experiments.sparse_recall", "main", ["--out", "FILE"], "--out"),
+    ],
+)
+def test_runner_options_are_checked_before_running(module, entry, argv, message, tmp_path, capsys):
+    import importlib
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [str(blocker) if a == "FILE" else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        getattr(importlib.import_module(module), entry)(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -34,7 +34,7 @@ from ..distributed.step import plan_shares, run_step, sync
 from ..engine import CostModel, calibrate, tree_backward
 from ..reference import TinyLM
 from ..trie import RolloutTrie
-from .harness import environment, print_table, write_results
+from .harness import add_out_argument, environment, positive_int, print_table, write_results
 from .train import LLAMA_05B, TINY
 
 # the lab's TinyLM at the size of `bench train` (0.49B, Llama-style) and a tiny one for CPUs
@@ -62,13 +62,15 @@ def _parse_args(argv) -> argparse.Namespace:
     )
     parser.add_argument("--partitioners", default=f"{ANCHOR},{BEST}")
     parser.add_argument("--mode", default="auto", choices=("auto", "flat", "packed", "dfs"))
-    parser.add_argument("--block-tokens", type=int, default=None, help="default 4096 (GPU), 64 (CPU)")
-    parser.add_argument("--token-budget", type=int, default=None, help="default 32768 (GPU), 512 (CPU)")
-    parser.add_argument("--max-rollouts", type=int, default=None, help="default all (GPU), 16 (CPU)")
+    parser.add_argument("--block-tokens", type=positive_int, default=None,
+                        help="default 4096 (GPU), 64 (CPU)")
+    parser.add_argument("--token-budget", type=positive_int, default=None,
+                        help="default 32768 (GPU), 512 (CPU)")
+    parser.add_argument("--max-rollouts", type=positive_int, default=None, help="default all (GPU), 16 (CPU)")
     parser.add_argument(
-        "--max-tokens", type=int, default=None, help="cut rollouts; default none (GPU), 256 (CPU)"
+        "--max-tokens", type=positive_int, default=None, help="cut rollouts; default none (GPU), 256 (CPU)"
     )
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--calibration-s", type=float, default=None, help="default 60 (GPU), 5 (CPU)")
     parser.add_argument(
@@ -81,7 +83,7 @@ def _parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--no-single", action="store_true", help="skip the one-device baseline")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="collective timeout")
     parser.add_argument("--barrier-timeout-s", type=float, default=600.0)
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     args.partitioners = args.partitioners.split(",")
     if any(p not in PARTITIONERS for p in args.partitioners):

@@ -295,15 +295,17 @@ COLUMNS = [("model", "model"), ("dilation", "D"), ("window", "W"), ("initial", "
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..bench.harness import add_out_argument, positive_int
+
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab.experiments.rat_dilation",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=sorted(MODES), default="quick")
-    parser.add_argument("--steps", type=int, default=None, help="override the mode's training steps")
+    parser.add_argument("--steps", type=positive_int, default=None, help="override the mode's training steps")
     parser.add_argument("--adapt-steps", type=int, default=None, help="override the mode's adaptation steps")
     parser.add_argument("--seeds", default=None, help="comma list, e.g. 0,1,2")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    add_out_argument(parser)
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                         help="merge saved results of the same mode run with different seeds; trains nothing")

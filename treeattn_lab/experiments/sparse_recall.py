@@ -149,17 +149,19 @@ COLUMNS = [("layer", "layer"), ("budget", "b (nv = ns)"), ("lines_per_head", "li
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..bench.harness import add_out_argument, positive_int
+
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab.experiments.sparse_recall",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--windows", type=int, default=8, help="validation windows measured")
-    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS),
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--seq-len", type=positive_int, default=512)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--windows", type=positive_int, default=8, help="validation windows measured")
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=list(BUDGETS),
                         help=f"lines of each kind per head (default budget: {DEFAULT_BUDGET})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="results folder (default bench/results/)")
+    add_out_argument(parser)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
