@@ -74,7 +74,7 @@ def measured_on(result: dict) -> str:
     """``"an NVIDIA H200 on 2026-11-30 (torch 2.11, triton 3.6)"``: where a committed result was measured."""
     env = result["environment"]
     device = env["device"]
-    where = "this lab's CPU run" if device == "cpu" else f"an {device}"
+    where = "a CPU" if device == "cpu" else f"an {device}"
     return f"{where} on {env['time_utc'][:10]} (torch {env['torch']}, triton {env['triton']})"
 
 
