@@ -18,11 +18,18 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 
+def _repeat_heads(x, group: int):
+    """``[B, S, H, D]`` -> ``[B, S, H * group, D]``, kv head h serving query heads ``h * group ..``: one
+    copy forward and one sum backward."""
+    b, n, h, d = x.shape
+    return x[:, :, :, None].expand(b, n, h, group, d).reshape(b, n, h * group, d)
+
+
 def _sdpa(q, k, v, scale, **mask):
     """SDPA on ``[B, N, H, D]`` layouts, kv heads repeated for grouped-query attention."""
     group = q.shape[2] // k.shape[2]
     if group > 1:
-        k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+        k, v = (_repeat_heads(x, group) for x in (k, v))
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, scale=scale, **mask)
     return out.transpose(1, 2)
