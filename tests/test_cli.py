@@ -75,6 +75,9 @@ def test_bad_tree_options_stop_before_running(argv, message, capsys):
         (["tree-tune", "--heads", "0"], "positive integer"),
         (["sparse", "--heads", "0"], "positive integer"),
         (["dilated", "--dim", "x"], "positive integer"),
+        (["dilated", "--backends", "sdpa,nope"], "unknown 'nope'"),
+        (["sparse", "--backends", "nope"], "unknown 'nope'"),
+        (["sparse", "--tune-tokens", "32768,x"], "positive integers"),
     ],
 )
 def test_bad_options_of_other_benchmarks_are_usage_errors(argv, message, capsys):

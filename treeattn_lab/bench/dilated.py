@@ -29,7 +29,15 @@ from tqdm.auto import tqdm
 
 from ..kernels.tuning import LaunchConfig, ScanConfig
 from ..patterns.dilated import DilatedPattern
-from .harness import add_out_argument, environment, positive_int, print_table, time_ms, write_results
+from .harness import (
+    add_out_argument,
+    choice_list,
+    environment,
+    positive_int,
+    print_table,
+    time_ms,
+    write_results,
+)
 
 
 @dataclass(frozen=True)
@@ -333,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", choices=["main", "all", "quick"], default=None,
                         help="default: all on a GPU (main = the 128K case only), quick on the CPU")
-    parser.add_argument("--backends", default=None, help="comma list of sdpa,flex,triton,reference")
+    parser.add_argument("--backends", default=None, type=choice_list(["sdpa", "flex", "triton", "reference"]),
+                        help="comma list of sdpa,flex,triton,reference")
     parser.add_argument("--flex-max-cases", type=positive_int, default=2,
                         help="time flex on the first K cases only")
     parser.add_argument("--heads", type=positive_int, default=16)
@@ -356,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     which = args.cases or ("all" if cuda else "quick")
     cases = {"main": gpu_cases()[:1], "all": gpu_cases(), "quick": quick_cases()}[which]
-    backends = args.backends.split(",") if args.backends else (
+    backends = args.backends if args.backends else (
         ["sdpa", "triton", "flex"] if cuda else ["sdpa", "reference", "triton"])
     heads, dim = (args.heads, args.dim) if cuda or args.cases else (2, 16)
     env = environment()

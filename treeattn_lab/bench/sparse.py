@@ -34,7 +34,16 @@ import torch.nn.functional as F
 
 from ..kernels.tuning import LaunchConfig, SparseConfig
 from ..patterns.vertical_slash import synthetic_pattern
-from .harness import add_out_argument, environment, positive_int, print_table, time_ms, write_results
+from .harness import (
+    add_out_argument,
+    choice_list,
+    environment,
+    int_list,
+    positive_int,
+    print_table,
+    time_ms,
+    write_results,
+)
 
 
 @dataclass
@@ -295,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", choices=["band", "spread", "all", "quick"], default=None,
                         help="default: all on a GPU, quick on the CPU")
-    parser.add_argument("--backends", default=None, help="comma list of dense,flex,triton")
+    parser.add_argument("--backends", default=None, help="comma list of dense,flex,triton (and reference)",
+                        type=choice_list(["dense", "flex", "triton", "reference"]))
     parser.add_argument("--flex-cases", default="band 32K,band 128K",
                         help="cases that also run flex (it compiles per shape and is slow)")
     parser.add_argument("--heads", type=positive_int, default=16)
@@ -303,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="check the bf16 kernel against fp32 at 4K tokens")
     parser.add_argument("--tune", action="store_true", help="time a few launch settings at a band case")
-    parser.add_argument("--tune-tokens", default="131072",
+    parser.add_argument("--tune-tokens", type=int_list, default=[131072],
                         help="comma list of band case sizes (32768, 131072) that --tune and the per-kernel "
                              "breakdown run at")
     parser.add_argument("--ring", type=int, default=262144, help="tokens of the 2-GPU ring (0: skip)")
@@ -314,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     cases = quick_cases() if (args.cases == "quick" or not cuda) else gpu_cases(args.cases or "all")
-    backends = args.backends.split(",") if args.backends else (["dense", "flex", "triton"] if cuda else
+    backends = args.backends if args.backends else (["dense", "flex", "triton"] if cuda else
                                                                  ["dense", "reference", "triton"])
     heads, dim = (args.heads, args.dim) if cuda else (2, 16)
     flex_cases = set(args.flex_cases.split(","))
@@ -334,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     write_results("sparse", rows, env, directory=out_dir, extra=extra)  # kept if a later part fails
     if args.tune and cuda:
-        tokens = {int(t) for t in args.tune_tokens.split(",")}
+        tokens = set(args.tune_tokens)
         extra["breakdown"], extra["tune"] = {}, []
         for case in [c for c in gpu_cases("band") if c.tokens in tokens]:
             extra["breakdown"][case.name] = kernel_breakdown(case, heads=heads, dim=dim, dtype=dtype,
