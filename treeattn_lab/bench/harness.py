@@ -19,12 +19,13 @@ import re
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+from ..atomic import write_text_atomic
 
 # The results committed with a source checkout (read by the notebooks and the results document). Runs
 # write to default_results_dir() instead, so an installed package never writes into site-packages.
@@ -149,29 +150,15 @@ def result_path(bench: str, env: dict, directory: Path | None = None) -> Path:
     return Path(directory if directory is not None else default_results_dir()) / f"{tag}.json"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a
-    reader sees the old file or the new one, never half of one, and a failed write leaves the old one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_results(bench: str, rows: list[dict], env: dict, *, directory: Path | None = None,
                   extra: dict | None = None) -> Path:
     """Save a run as ``<directory>/<bench>__<device>__torch-<v>__triton-<v>.json``: the rows, the
     environment, the command line and ``extra``. ``directory`` defaults to ``./bench/results``."""
     path = result_path(bench, env, directory)
     payload = {"bench": bench, "environment": env, "command": command_line(), "rows": rows, **(extra or {})}
-    write_text_atomic(path, json.dumps(payload, indent=1) + "\n")
+    text = json.dumps(payload, indent=1) + "\n"  # before touching the folder: a row that is not JSON fails
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, text)
     return path
 
 

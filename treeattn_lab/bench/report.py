@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .harness import write_text_atomic
+from ..atomic import write_text_atomic
 
 __all__ = ["SECTIONS", "check_document", "render_document", "write_document"]
 
@@ -450,8 +450,9 @@ def render_document(results_dir: Path | str) -> str:
 
 def write_document(results_dir: Path | str = "bench/results", out: Path | str = "docs/results.md") -> Path:
     """Write the document to ``out`` through a temporary file and ``os.replace``."""
-    out = Path(out)
-    write_text_atomic(out, render_document(results_dir))
+    out, text = Path(out), render_document(results_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, text)
     return out
 
 
