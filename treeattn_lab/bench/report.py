@@ -23,44 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import write_text_atomic
+from .recorded_commands import RECORDED_COMMANDS
 
 __all__ = ["SECTIONS", "check_document", "render_document", "write_document"]
 
-M = "python -m treeattn_lab"
-TORCHRUN2 = "torchrun --standalone --nproc-per-node 2 -m treeattn_lab.bench"
-RECORDED_COMMANDS = {  # result files without a "command" field: the command that reproduces them
-    "tree": f"{M} bench tree --check",
-    "tree-repeat": f"{M} bench tree --cases research --backends triton,auto,flex,flat",
-    "tree-varlen": f"{M} bench tree --cases research --backends flat,flex,triton,gather-flat,varlen,auto "
-                   "--check",
-    "tree-fallback": f"{M} bench tree --cases research --backends flat,flex,triton,gather-flat,auto --check",
-    "tree-tma": f"{M} bench tree --cases research --backends flat,flex,triton,auto --check",
-    "tree-auto-data": f"{M} bench tree --cases data --backends flat,flex,triton,gather-flat,auto --check",
-    "tree-tune": f"{M} bench tree-tune",
-    "tree-tune-atomic": f"{M} bench tree-tune --passes dkdv,atomic --loads pointer",
-    "tree-tune-stream": (f"{M} bench tree-tune --passes stream", "a pass timing dQ beside dK/dV on a second "
-                         "stream, not in the code"),
-    "tree-bwd-profile": (None, "a torch.profiler script outside the repository, see the note"),
-    "train": f"{M} bench train",
-    "balance": f"{M} bench balance",
-    "multi-gpu-train-2x-before-refit": f"NCCL_NVLS_ENABLE=0 {TORCHRUN2}.multi_gpu_train --set grpo_math "
-                                       "--out bench/results",
-    "sparse": f"{M} bench sparse --cases band --backends dense,triton --check",
-    "sparse-tune": f"{M} bench sparse --cases band --backends dense,triton --check --tune",
-    "sparse-ring": f"{TORCHRUN2}.ring",
-    "sparse-ring-variants": (f"{TORCHRUN2}.ring [--high-priority] [--layouts striped]",
-                             "one run per variant"),
-    "sparse-ring-timeline": f"{TORCHRUN2}.ring --profile",
-    "dilated": (f"{M} bench dilated", "three invocations merged, see the note"),
-    "scan": f"{M} bench dilated --scan-only",
-    "scan-tune": f"{M} bench dilated --scan-only --tune-scan",
-    "scan-tune-persistent": f"{M} bench dilated --scan-only --tune-scan persistent",
-    "scan-narrow-1": (f"{M} bench dilated --scan-only --scan-config CONFIG", "one per configuration below"),
-    "scan-narrow-2": (f"{M} bench dilated --scan-only --scan-config CONFIG", "one per configuration below"),
-    "rat-dilation-quick": "python -m treeattn_lab.experiments.rat_dilation --mode quick",
-    "rat-dilation-full": ("python -m treeattn_lab.experiments.rat_dilation --mode full --seeds S",
-                          "one process per seed, then the same with --merge"),
-}
 HEADERS = {"T": "packed T", "fwd_ms": "fwd ms", "fwd_bwd_ms": "fwd+bwd ms", "fwd_speedup": "fwd x base",
            "fwd_bwd_speedup": "fwd+bwd x base", "fwd_tflops": "fwd TFLOP/s",
            "fwd_bwd_tflops": "fwd+bwd TFLOP/s",
@@ -404,6 +370,33 @@ def file_heading(path: Path, p: dict) -> list[str]:
     return out
 
 
+BEFORE = "-before-redesign"  # a run of the code before the house redesign, beside a run of the code after it
+
+
+def _change(before: float, after: float) -> str:
+    return f"{fmt(before)} -> {fmt(after)} ({fmt(after / before)})"
+
+
+def render_before_after(loaded: Sequence[tuple[Path, dict]]) -> list[str]:
+    """For each ``<bench>-before-redesign`` file with a ``<bench>`` file of the same GPU: per case and
+    backend, forward and forward+backward ms after / before the redesign."""
+    by_name = {path.name: payload for path, payload in loaded}
+    out = []
+    for name, before in sorted(by_name.items()):
+        label, _, rest = name.partition("__")
+        after = by_name.get(f"{label[: -len(BEFORE)]}__{rest}") if label.endswith(BEFORE) else None
+        if after is None:
+            continue
+        old = {(r["case"], r["backend"]): r for r in before["rows"]}
+        cells = [[r["case"], r["backend"]] + [_change(old[key][m], r[m]) for m in ("fwd_ms", "fwd_bwd_ms")]
+                 for r in after["rows"] if (key := (r["case"], r["backend"])) in old]
+        bench = label[: -len(BEFORE)]
+        out += [f"### {bench}: `{name}` -> `{bench}__{rest}`", ""]
+        out += table(["case", "backend", "fwd ms before -> after (ratio)",
+                      "fwd+bwd ms before -> after (ratio)"], cells)
+    return out
+
+
 def slug(title: str) -> str:
     """The anchor GitHub gives a heading."""
     return "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
@@ -436,7 +429,13 @@ def render_document(results_dir: Path | str) -> str:
            "(`python -m treeattn_lab results --check` fails when this file and the JSON disagree). Numbers "
            "have three significant digits; \"x base\" is the speed-up over the first backend of the table "
            "(flat or dense SDPA). [design.md](design.md) explains what the runs mean for the design.", ""]
+    compared = render_before_after(loaded)
+    if compared:
+        placed["Before and after the house redesign"] = compared
     abouts = {s.title: s.about for s in SECTIONS}
+    abouts["Before and after the house redesign"] = (
+        "The same benchmarks run on one H200 with the code before the redesign of the kernels into one "
+        "attention core and after it; a ratio above 1 is slower after.")
     others = sorted(f.name for f in results_dir.iterdir() if f.is_file() and not f.name.endswith(".json"))
     titles = [t for t, lines in placed.items() if lines] + (["Other files"] if others else [])
     out += [f"- [{t}](#{slug(t)})" for t in titles] + [""]
