@@ -54,7 +54,7 @@ class DilatedCase:
 
 
 def gpu_cases() -> list[DilatedCase]:
-    """The issue's main case (128K, D=16, W=256, P=4) first, then smaller and other dilations."""
+    """The target's main case (128K, D=16, W=256, P=4) first, then smaller and other dilations."""
     return [
         DilatedCase("128K D16 W256 P4", 131072, 16, 256, 4),
         DilatedCase("32K D16 W256 P4", 32768, 16, 256, 4),

@@ -173,7 +173,7 @@ def rl_rows(models: dict, sets, *, quick: bool, reps: int, **engine) -> list[dic
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, checked on the rows that exist (memory targets need CUDA peaks)."""
+    """The targets, checked on the rows that exist (memory targets need CUDA peaks)."""
     checks = []
     for r in rows:
         if r["mode"] == "auto" and r["set"] in ("agentic", "grpo_math"):

@@ -11,10 +11,11 @@ The pattern's index and block mask are built once and not timed (reported apart 
 Reported: median ms forward and forward+backward, speed-up over dense, the pattern's density (computed
 pairs over causal pairs, block rounding included) and useful TFLOP/s = computed pairs x 4 x heads x
 head_dim / time (x 3.5 for fwd+bwd). Cases differ in how far the slashes spread: ``band`` (offsets
-decaying from the diagonal), ``band+far`` (2% of them scattered), ``scattered`` (uniform, the worst case
-measured in shared/RESEARCH.md). ``--check`` compares the bf16 kernel with an fp32 reference at 4K
-tokens; ``--tune`` times a few launch settings at the largest case; with two GPUs the 2-GPU ring runs too
-(``torchrun ... ring_check``).
+decaying from the diagonal), ``band+far`` (2% of them scattered), ``scattered`` (offsets uniform over
+the whole causal range: every diagonal lands in its own tiles, the worst case for tile skipping).
+``--check`` compares the bf16 kernel with an fp32 reference at 4K tokens; ``--tune`` times a few launch
+settings at the largest case; with two GPUs the 2-GPU ring runs too
+(``torchrun --nproc-per-node 2 -m treeattn_lab.bench.ring``).
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def tune(case: SparseCase, *, heads, dim, dtype, device) -> list[dict]:
 
 
 def run_ring(out_dir: Path, tokens: int) -> list[dict]:
-    """The 2-GPU ring (``torchrun ... ring_check``), when this machine has two GPUs."""
+    """The 2-GPU ring (``torchrun -m treeattn_lab.bench.ring``), when this machine has two GPUs."""
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
            "treeattn_lab.bench.ring", "--tokens", str(tokens), "--out", str(out_dir)]

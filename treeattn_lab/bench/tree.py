@@ -1,6 +1,8 @@
 """``python -m treeattn_lab bench tree``: tree attention against flat SDPA and FlexAttention.
 
-For each case (the shapes of shared/RESEARCH.md section 1, and the bundled rollout sets):
+For each case (four synthetic tries: GRPO groups of 16 rollouts on 1K and 4K prompts, agentic
+rollouts forking twice after an 8K prompt, and a low-sharing batch of short prompts with long
+responses; then the bundled rollout sets):
 
 - flat SDPA: every rollout its own sequence, causal ``scaled_dot_product_attention`` on a padded batch
   ``[B, H, L, D]`` (FlashAttention on a GPU);
@@ -84,7 +86,9 @@ def branching_rollouts(roots: int, root_len: int, levels: list[tuple[int, int]],
 
 
 def research_cases() -> list[TreeCase]:
-    """The four cases measured in shared/RESEARCH.md (bf16, 16 heads, head dim 128)."""
+    """Four synthetic tries (bf16, 16 heads, head dim 128): GRPO groups sharing a 1K or 4K prompt, agentic
+    rollouts that fork twice after an 8K prompt, and 32 short prompts with 4 long responses each (little
+    sharing)."""
     return [
         TreeCase("grpo 8x16 p1024 r512", branching_rollouts(8, 1024, [(16, 512)])),
         TreeCase("grpo 4x16 p4096 r1024", branching_rollouts(4, 4096, [(16, 1024)])),

@@ -16,12 +16,12 @@ Protocol, per seed, on the bundled byte-level corpus (``treeattn_lab.corpus``):
    ``lr * adapt_lr_ratio``, no warmup, with the target pattern, on a copy of the model. D = 1 gets the same
    extra steps with dense attention, so "after adaptation" compares models that trained equally long.
 
-The issue's target reads: RAT+ at D = 16 within 5% of its own D = 1 loss after adaptation, while plain
+The target: RAT+ at D = 16 within 5% of its own D = 1 loss after adaptation, while plain
 attention at D = 16 loses clearly more. Whatever the tiny scale shows is reported as measured.
 
 Modes: ``tiny`` (notebook smoke run, well under a minute), ``quick`` (a few minutes on a CPU),
-``full`` (a GPU: wider models, longer sequences, three seeds; one seed takes about 4 minutes on an H200,
-so run seeds as separate processes, one per GPU, and join them with ``--merge``).
+``full`` (a GPU: wider models, longer sequences, three seeds; the seeds are independent,
+so run them as separate processes, one per GPU, and join them with ``--merge``).
 
     python -m treeattn_lab.experiments.rat_dilation --mode quick
 """
@@ -228,7 +228,7 @@ def merge_results(results: list[dict]) -> dict:
 
 
 def headline(result: dict, dilation: int = 16) -> dict:
-    """The issue's comparison at ``dilation``: each model's best adapted gap to its own D = 1 loss."""
+    """The target's comparison at ``dilation``: each model's best adapted gap to its own D = 1 loss."""
     out = {}
     for model in MODELS:
         gaps = [s for s in result["summary"]

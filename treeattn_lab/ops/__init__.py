@@ -10,6 +10,8 @@ of those rows are hit depends on the backend and its tiles. Rows that see only f
 are exact only when all of ``q, k, v`` are finite: check with ``torch.isfinite`` where that may fail.
 """
 
+from .dilated import dilated_attention, gated_scan
+from .sparse import sparse_attention
 from .tree import available_backends, tree_attention
 
-__all__ = ["available_backends", "tree_attention"]
+__all__ = ["available_backends", "dilated_attention", "gated_scan", "sparse_attention", "tree_attention"]

@@ -77,7 +77,7 @@ def draw_rank_loads(reports: Mapping[str, object], *, title: str | None = None) 
 def draw_balance_sweep(
     rows: Sequence[Mapping], metric: str = "imbalance", *, title: str | None = None, log_y: bool = False
 ) -> go.Figure:
-    """``metric`` of :func:`treeattn_lab.distributed.balance_sim.simulate` rows against K, one panel per
+    """``metric`` of :func:`treeattn_lab.bench.balance.simulate` rows against K, one panel per
     set, one line per partitioner (same colour in every panel)."""
     sets = list(dict.fromkeys(r["set"] for r in rows))
     parts = list(dict.fromkeys(r["partitioner"] for r in rows))
