@@ -28,6 +28,12 @@ def _check_sizes(kind: str, sizes, *, pow2: bool, minimum: int) -> None:
             raise ValueError(f"{kind} {name} must be {rule}, got {size!r}")
 
 
+def _check_warps(kind: str, num_warps: int) -> None:
+    if num_warps & (num_warps - 1):
+        raise ValueError(f"{kind} num_warps must be a power of two (Triton launches 1, 2, 4, ... warps), "
+                         f"got {num_warps}")
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """One kernel launch. ``block_m``: rows a program owns (queries; keys in a dK/dV kernel, which steps
@@ -47,6 +53,7 @@ class LaunchConfig:
                      minimum=16)
         _check_sizes("launch config", (("num_warps", self.num_warps), ("num_stages", self.num_stages)),
                      pow2=False, minimum=1)
+        _check_warps("launch config", self.num_warps)
         if not isinstance(self.tma, bool):
             raise TypeError(f"launch config tma must be a bool, got {self.tma!r}")
 
@@ -76,6 +83,7 @@ class ScanConfig(LaunchConfig):
                      minimum=1)
         _check_sizes("scan config", (("num_warps", self.num_warps), ("num_stages", self.num_stages)),
                      pow2=False, minimum=1)
+        _check_warps("scan config", self.num_warps)
         _check_sizes("scan config", (("programs_per_sm", self.programs_per_sm),), pow2=False, minimum=0)
         if self.tma is not False:
             raise ValueError("scan config tma must be False: the scan has no TMA path")
