@@ -136,6 +136,72 @@ def test_bad_arguments_are_refused():
         completion_masks([3], [0])
 
 
+def test_group_advantages_of_groups_of_one_name_the_rule():
+    with pytest.raises(ValueError, match="needs group_size >= 2"):
+        group_advantages(torch.tensor([1.0, 2.0]), 1)
+    with pytest.raises(ValueError, match="needs >= 2 rewards"):
+        group_advantages(torch.tensor([1.0]), 1, scale="batch")
+    # without a standard deviation of the group, a group of one is meaningful
+    centred = group_advantages(torch.tensor([1.0, 2.0], dtype=torch.float64), 1, scale="none")
+    assert torch.equal(centred, torch.zeros(2, dtype=torch.float64))
+    batch = group_advantages(torch.tensor([1.0, 3.0], dtype=torch.float64), 1, scale="batch")
+    assert torch.isfinite(batch).all() and torch.equal(batch, torch.zeros(2, dtype=torch.float64))
+
+
+def test_advantages_as_a_sequence_equal_the_tensor_and_other_types_are_refused():
+    b = ragged_batch(3)
+    want = grpo_loss(b["logps"], b["old"], b["advantages"], b["masks"])
+    for seq in (b["advantages"].tolist(), tuple(b["advantages"].tolist())):
+        assert torch.equal(grpo_loss(b["logps"], b["old"], seq, b["masks"]), want)
+    with pytest.raises(TypeError, match="advantages must be a tensor or a sequence of numbers"):
+        grpo_loss(b["logps"], b["old"], 1.5, b["masks"])
+    with pytest.raises(TypeError, match="advantages must be a tensor or a sequence of numbers"):
+        grpo_loss(b["logps"], b["old"], ["a"] * len(b["logps"]), b["masks"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"epsilon_low": -0.1}, {"epsilon_high": -0.2}, {"beta": -0.01}, {"beta": float("nan")}],
+)
+def test_negative_or_nan_clip_and_kl_settings_are_refused(options):
+    b = ragged_batch(4)
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+        grpo_objective(b["old"], b["advantages"], b["masks"], ref_logps=b["ref"], **options)
+
+
+@pytest.mark.parametrize("poisoned", ["advantages", "old", "ref"])
+def test_non_finite_advantages_or_counted_log_probs_are_refused(poisoned):
+    b = ragged_batch(5)
+    old, ref, adv = [o.clone() for o in b["old"]], [r.clone() for r in b["ref"]], b["advantages"].clone()
+    if poisoned == "advantages":
+        adv[2] = float("nan")
+    else:
+        (old if poisoned == "old" else ref)[2][-1] = float("inf")
+    name = {"advantages": "advantages", "old": "old_logps", "ref": "ref_logps"}[poisoned]
+    with pytest.raises(ValueError, match=rf"{name}\[2\] holds NaN or infinite"):
+        grpo_objective(old, adv, b["masks"], ref_logps=ref, beta=0.1)
+
+
+def test_non_finite_log_probs_off_the_mask_are_harmless():
+    b = ragged_batch(6)
+    old = [o.clone() for o in b["old"]]
+    old[1][0] = float("nan")  # a prompt slot: the mask is 0 there
+    objective = grpo_objective(old, b["advantages"], b["masks"])
+    assert torch.equal(objective(b["logps"]), grpo_loss(b["logps"], b["old"], b["advantages"], b["masks"]))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_metrics_with_every_mask_zero(level):
+    b = ragged_batch(7)
+    masks = [torch.zeros_like(m) for m in b["masks"]]
+    objective = grpo_objective(b["old"], b["advantages"], masks, ref_logps=b["ref"], beta=0.1,
+                               importance_sampling=level)
+    out = objective.metrics(b["logps"])
+    assert out["clip_ratio/low_min"] == 0.0 and out["clip_ratio/high_max"] == 0.0
+    assert out["kl"] == 0.0
+
+
 # ---------------------------------------------------------------------------------------- against TRL
 def trl_loss(
     b, *, loss_type, level, beta, epsilon_low, epsilon_high, max_completion_length, on_policy, kl_weight

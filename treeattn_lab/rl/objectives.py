@@ -27,6 +27,7 @@ These are TRL's ``GRPOTrainer`` definitions (``loss_type``, ``epsilon``/``epsilo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,7 +46,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "gr
         A_i = (R_i - mean_{j in group(i)} R_j) / (std + 1e-4)
 
     with ``std`` the unbiased standard deviation of the group (``scale="group"``) or of the whole batch
-    (``"batch"``); ``"none"`` does not divide (Dr. GRPO).
+    (``"batch"``); ``"none"`` does not divide (Dr. GRPO). A standard deviation needs two members, so
+    ``scale="group"`` needs ``group_size >= 2`` and ``"batch"`` two rewards in all.
     """
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or not rewards.dtype.is_floating_point:
         raise TypeError("rewards must be a 1-D floating-point tensor")
@@ -54,6 +56,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "gr
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if scale == "group" and group_size < 2:
+        raise ValueError(
+            "scale='group' divides by each group's standard deviation, which needs group_size >= 2, "
+            f"got {group_size} (scale='batch' or 'none' take groups of one)"
+        )
+    if scale == "batch" and rewards.numel() < 2:
+        raise ValueError(
+            f"scale='batch' divides by the batch's standard deviation, which needs >= 2 rewards, "
+            f"got {rewards.numel()}"
+        )
     grouped = rewards.view(-1, group_size)
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
     if scale == "none":
@@ -104,6 +116,31 @@ def _flatten(name: str, values, lengths: list[int], like: torch.Tensor) -> torch
     return torch.cat([v.detach() for v in values]).to(like.device, like.dtype)
 
 
+def _check_finite(name: str, values: torch.Tensor, counted: torch.Tensor, lengths: list[int]) -> None:
+    """Refuse a NaN or infinite value where the loss reads it (``counted``): it would reach every gradient."""
+    bad = counted & ~torch.isfinite(values)
+    if bool(bad.any()):
+        rollout = int(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[bad][0])
+        raise ValueError(f"{name}[{rollout}] holds NaN or infinite values where the loss counts it")
+
+
+def _advantage_tensor(advantages, rollouts: int) -> torch.Tensor:
+    """One float64 advantage per rollout, from a tensor or a sequence of numbers."""
+    if not isinstance(advantages, torch.Tensor):
+        if isinstance(advantages, (str, bytes)) or not isinstance(advantages, Sequence):
+            raise TypeError(
+                f"advantages must be a tensor or a sequence of numbers, got {type(advantages).__name__}"
+            )
+        try:
+            advantages = torch.tensor(list(advantages), dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"advantages must be a tensor or a sequence of numbers: {error}") from None
+    advantages = advantages.detach().to(torch.float64)
+    if advantages.shape != (rollouts,):
+        raise ValueError(f"advantages must have shape [{rollouts}], got {tuple(advantages.shape)}")
+    return advantages
+
+
 @dataclass(frozen=True)
 class GRPOOptions:
     """The settings of the loss (module docstring); TRL's names are ``beta``, ``epsilon``
@@ -127,6 +164,10 @@ class GRPOOptions:
             )
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        bounds = {"beta": self.beta, "epsilon_low": self.epsilon_low, "epsilon_high": self.epsilon_high}
+        for name, value in bounds.items():
+            if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def _token_terms(logp, old, ref, mask, owner, rollouts: int, o: GRPOOptions):
@@ -170,9 +211,8 @@ class GRPOObjective:
             raise ValueError("beta > 0 needs ref_logps (the reference policy's log-probs)")
         self.lengths = lengths = [m.numel() for m in masks]
         G, like = len(lengths), torch.zeros(0, dtype=torch.float64)
-        advantages = advantages.detach().to(torch.float64)
-        if advantages.shape != (G,):
-            raise ValueError(f"advantages must have shape [{G}], got {tuple(advantages.shape)}")
+        advantages = _advantage_tensor(advantages, G)
+        _check_finite("advantages", advantages, torch.ones(G, dtype=torch.bool), [1] * G)
         mask = _flatten("masks", [m.to(torch.float64) for m in masks], lengths, like)
         counts = [float(m.sum()) for m in mask.split(lengths)]
         if o.loss_type == "grpo":
@@ -190,6 +230,9 @@ class GRPOObjective:
             "advantage": advantages[owner],
             "weight": mask / torch.tensor(denominators, dtype=torch.float64)[owner],
         }
+        for name in ("old", "ref"):
+            if self.flat[name] is not None:
+                _check_finite(f"{name}_logps", self.flat[name], mask > 0, lengths)
         self._cache: dict = {}
 
     def _on(self, device, dtype) -> dict:
@@ -265,8 +308,10 @@ class GRPOObjective:
                 out[f"clip_ratio/{name}_mean"] = float(per_rollout[name].nanmean())
             else:
                 out[f"clip_ratio/{name}_mean"] = float((flag * mask).sum() / mask.sum().clamp(min=1.0))
-        out["clip_ratio/low_min"] = float(per_rollout["low"][~per_rollout["low"].isnan()].min())
-        out["clip_ratio/high_max"] = float(per_rollout["high"][~per_rollout["high"].isnan()].max())
+        low, high = (per_rollout[n][~per_rollout[n].isnan()] for n in ("low", "high"))
+        # with every mask zero no rollout counts a token: nothing was clipped
+        out["clip_ratio/low_min"] = float(low.min()) if low.numel() else 0.0
+        out["clip_ratio/high_max"] = float(high.max()) if high.numel() else 0.0
         return out
 
     def __call__(self, logps: Sequence[torch.Tensor]) -> torch.Tensor:
