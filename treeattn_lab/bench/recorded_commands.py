@@ -1,6 +1,7 @@
 """The command that reproduces each committed result file written before runs recorded their own command
 line (``"command"`` in the JSON), keyed by the file's label (its name before ``__``). A tuple adds a remark
-where one command is not the whole story; ``None`` means the run came from outside the repository."""
+where one command is not the whole story; ``None`` as the command means the run came from a script that
+is not kept in the repository, and the remark then says so in the document."""
 
 M = "python -m treeattn_lab"
 TORCHRUN2 = "torchrun --standalone --nproc-per-node 2 -m treeattn_lab.bench"
@@ -22,7 +23,8 @@ RECORDED_COMMANDS = {  # result files without a "command" field: the command tha
     "tree-tune-atomic": f"{M} bench tree-tune --passes dkdv,atomic --loads pointer",
     "tree-tune-stream": (f"{M} bench tree-tune --passes stream", "a pass timing dQ beside dK/dV on a second "
                          "stream, not in the code"),
-    "tree-bwd-profile": (None, "a torch.profiler script outside the repository, see the note"),
+    "tree-bwd-profile": (None, "none: the profile came from a torch.profiler script that is not kept in "
+                         "the repository; the note says what it timed"),
     "train": f"{M} bench train",
     "balance": f"{M} bench balance",
     "multi-gpu-train-2x-before-refit": f"NCCL_NVLS_ENABLE=0 {TORCHRUN2}.multi_gpu_train --set grpo_math "

@@ -217,15 +217,35 @@ def render_train(p: dict) -> list[str]:
         chose = f", chose {r['choices']}" if r["mode"] == "auto" else ""
         return f"{fmt(r['tokens_per_s'])} ({fmt(r['speedup'])}x){chose}"
 
-    out = [f"Model: {fmt(p.get('params'))} parameters, {mapping(p.get('config', {}))}; block_tokens "
-           f"{fmt(p.get('block_tokens'))}, token_budget {fmt(p.get('token_budget'))}.", ""]
-    out += ["Flat tokens per second (x flat):", ""]
+    out = model_line(p) + ["Flat tokens per second (x flat):", ""]
     out += pivot(p["rows"], ("set", "token_ratio"), "mode", throughput)
     out += ["Peak GiB:", ""] + pivot(p["rows"], ("set",), "mode", lambda g: fmt(g[0]["peak_gib"]))
     if p.get("precision"):
         out += ["bf16 gradients against fp32 flat (relative norm):", ""]
         out += records(p["precision"], ("mode", "grad_rel_err"))
     return out
+
+
+def model_line(p: dict) -> list[str]:
+    """The model's settings (and parameter count where recorded) and the engine's block and budget."""
+    params = f"{fmt(p['params'])} parameters, " if "params" in p else ""
+    return [f"Model: {params}{mapping(p.get('config', {}))}; block_tokens {fmt(p.get('block_tokens'))}, "
+            f"token_budget {fmt(p.get('token_budget'))}.", ""]
+
+
+def peaks_in_gib(row: dict) -> dict:
+    """``row`` with each ``<phase>_peak`` (bytes, as ``bench rl`` records it) as ``<phase>_peak_gib``."""
+    peak = {k: k.endswith("_peak") and isinstance(v, (int, float)) for k, v in row.items()}
+    return {(f"{k}_gib" if peak[k] else k): (v / 2**30 if peak[k] else v) for k, v in row.items()}
+
+
+def render_rl(p: dict) -> list[str]:
+    """``bench rl``: one GRPO step per set and mode, its phases' seconds and peak memory in GiB."""
+    rows = [peaks_in_gib(r) for r in p["rows"]]
+    out = model_line(p)
+    if p.get("grpo"):
+        out += [f"GRPO loss: {mapping(p['grpo'])}.", ""]
+    return out + render_rows({"rows": rows})
 
 
 def render_multi_gpu(p: dict) -> list[str]:
@@ -311,7 +331,7 @@ SECTIONS = (
     Section("Training on a trie", "One training step through the engine per rollout set and mode, one "
             "GRPO step (log-probs of the old and reference policies, then the training pass), and the GRPO "
             "loop flat against the tree.",
-            {"train": render_train, "rl": render_rows, "grpo-tree-": render_grpo}),
+            {"train": render_train, "rl": render_rl, "grpo-tree-": render_grpo}),
     Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
             "data-parallel step on two GPUs.",
             {"balance": render_balance, "multi-gpu-train-2x": render_multi_gpu}),
@@ -346,8 +366,13 @@ def command_of(label: str, p: dict) -> str:
         command = (f"python -m treeattn_lab.experiments.sparse_recall --steps {c['steps']} "
                    f"--seq-len {c['seq_len']} --windows {c['windows']}")
     command, remark = command if isinstance(command, tuple) else (command, None)
-    text = f"`{command}`" if command else "none in the repository"
-    return text + (f" ({remark})" if remark else "") if command or remark else "not recorded"
+    if command is None:
+        return remark or "not recorded"
+    text = f"`{command}`" + (f" ({remark})" if remark else "")
+    parts = p.get("merged_from") or p.get("seeds")
+    if isinstance(parts, list) and parts and all(isinstance(c, str) for c in parts):
+        text = ", ".join(f"`{c}`" for c in parts) + f", one process each, then {text}"
+    return text
 
 
 def file_heading(path: Path, p: dict) -> list[str]:
