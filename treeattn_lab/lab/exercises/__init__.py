@@ -16,6 +16,8 @@ The library's own solution sits next to each checker, one module per notebook to
   partial attention results merged by their log-sum-exps (ring attention's rule).
 - :mod:`.dilated` (notebook 06): :func:`dilated_keys` / :func:`check_dilated_keys`, the keys a query sees
   under dilated attention with a window and initial tokens.
+- :mod:`.grpo` (notebook 07): :func:`advantages` / :func:`check_advantages`, each rollout's reward against
+  its group's (GRPO's advantages).
 
 :mod:`.checking` holds what the checkers share: random rollouts, the learner's function called safely,
 a failed case reported with its hint.
@@ -24,13 +26,16 @@ a failed case reported with its hint.
 from .balance import check_contiguous_cuts, contiguous_cuts
 from .dfs import block_lists, check_dfs_events, check_stack_positions, dfs_events, stack_positions
 from .dilated import check_dilated_keys, dilated_keys
+from .grpo import advantages, check_advantages
 from .sparse import check_merge_partial_states, merge_partial_states
 from .tile_schedule import ancestor_keys, check_ancestor_keys
 from .tries import check_subtree_end, check_tree_tokens, pack_nodes, subtree_end_from_nodes, tree_tokens
 
 __all__ = [
+    "advantages",
     "ancestor_keys",
     "block_lists",
+    "check_advantages",
     "check_ancestor_keys",
     "check_contiguous_cuts",
     "check_dfs_events",
