@@ -298,3 +298,48 @@ def test_bad_objectives_are_refused_and_leave_grad_untouched():
     with pytest.raises(TypeError, match="objective must be a callable"):
         tree_backward(model, trie, objective=3)
     assert all(torch.all(p.grad == 3.0) for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("token_budget", [None, 4])
+def test_a_non_finite_rollout_term_is_refused_before_any_gradient(mode, token_budget):
+    """Finite inputs whose loss overflows (old log-probs far below the current ones: ratio = inf) raise
+    in every mode and leave ``.grad`` as it was."""
+    from treeattn_lab.rl import completion_masks, grpo_objective
+
+    seqs = CASES[0]
+    trie = RolloutTrie.from_sequences(seqs)
+    model = tiny_lm()
+    own = flat_logprobs(model, seqs)
+    old = [lp.detach().clone() for lp in own]
+    old[len(seqs) - 1] = old[len(seqs) - 1] - 1000.0  # exp(1000) overflows
+    adv = torch.linspace(1.0, -1.0, len(seqs), dtype=torch.float64)  # negative: min(r A, ...) = -inf
+    objective = grpo_objective(old, adv, completion_masks(trie.seq_lengths, [1] * len(seqs)))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    with pytest.raises(ValueError, match="not finite"):
+        tree_backward(model, trie, objective=objective, mode=mode, token_budget=token_budget)
+    assert all(torch.all(p.grad == 3.0) for p in model.parameters())
+
+
+def test_an_objective_of_fewer_rollouts_than_the_trie_is_refused_up_front():
+    from treeattn_lab.rl import completion_masks, grpo_objective
+
+    seqs = CASES[0]
+    trie = RolloutTrie.from_sequences(seqs)
+    model = tiny_lm()
+    masks = completion_masks(trie.seq_lengths[:-1], [1] * (len(seqs) - 1))
+    objective = grpo_objective(None, torch.ones(len(seqs) - 1, dtype=torch.float64), masks)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    refusal = f"scores {len(seqs) - 1} rollouts but the trie holds {len(seqs)} sequences"
+    for mode in MODES:
+        with pytest.raises(ValueError, match=refusal):
+            tree_backward(model, trie, objective=objective, mode=mode)
+    assert all(torch.all(p.grad == 3.0) for p in model.parameters())
+
+
+def test_a_cost_model_of_the_wrong_type_is_refused():
+    trie = RolloutTrie.from_sequences(CASES[0])
+    with pytest.raises(TypeError, match="cost_model must be a treeattn_lab.engine.CostModel"):
+        tree_backward(tiny_lm(), trie, cost_model="x")

@@ -131,3 +131,9 @@ def test_inputs_untouched_and_bad_arguments_refused():
         tree_logprobs(model, RolloutTrie.from_sequences([[1, VOCAB]]))
     with pytest.raises(TypeError, match="trie must be a RolloutTrie"):
         tree_logprobs(model, [[1, 2]])
+
+
+def test_a_cost_model_of_the_wrong_type_is_refused():
+    trie = RolloutTrie.from_sequences([[1, 2, 3], [1, 2, 4]])
+    with pytest.raises(TypeError, match="cost_model must be a treeattn_lab.engine.CostModel"):
+        tree_logprobs(tiny_lm(), trie, cost_model="x")

@@ -56,6 +56,15 @@ def _tree(adapter, micro_batch, mode, block_tokens, backend, entropy):
     return logps, entropies
 
 
+def check_cost_model(cost_model) -> None:
+    """``cost_model`` must be None or a :class:`~treeattn_lab.engine.cost_model.CostModel`."""
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(
+            "cost_model must be a treeattn_lab.engine.CostModel (e.g. calibrate(model)) or None, "
+            f"got {type(cost_model).__name__}"
+        )
+
+
 def micro_batch_logprobs(adapter, micro_batch, mode, *, block_tokens, token_budget, backend, entropy=False):
     """``(logps, entropies)`` of one micro-batch's rollouts (its own order) in ``mode``, without autograd."""
     with torch.no_grad():
@@ -77,12 +86,16 @@ def tree_logprobs(
 ):
     """Per-rollout log-probs (module docstring), a list in trie order; with ``entropy=True`` the pair
     ``(logps, entropies)``. The arguments are :func:`treeattn_lab.engine.tree_backward`'s.
+    ``logps[i]`` has one value per predicted token: length ``n - 1`` for a sequence of ``n`` tokens,
+    ``logps[i][t - 1]`` for token t, whereas ``tree_backward``'s ``token_weights[i]`` has length ``n``,
+    ``w[t]`` for token t (``w[0]`` ignored): ``w[1:]`` lines up with ``logps[i]``.
 
     The model runs as it is (call ``model.eval()`` for log-probs without dropout); nothing is written to
     ``.grad``.
     """
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    check_cost_model(cost_model)
     plan = plan_call(model, trie, mode, block_tokens, token_budget, cost_model, with_grad=False)
     adapter = plan.adapter
     logps: list = [None] * trie.num_sequences

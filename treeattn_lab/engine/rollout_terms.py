@@ -6,7 +6,9 @@ An objective may declare ``objective.rollout_term(i, logp_i) -> scalar`` with
 
 (every :mod:`treeattn_lab.rl` objective does: per-sequence means, a group's token mean with its constant
 token count, Dr. GRPO's constant length, GSPO's sequence ratio), and optionally
-``objective.rollout_terms(indices, logps)``, the sum of several terms computed as one batch. Then no
+``objective.rollout_terms(indices, logps)``, the sum of several terms computed as one batch, and
+``objective.num_rollouts``, how many rollouts it scores (checked against the trie before anything runs).
+A term that is NaN or infinite raises a ValueError before its backward runs. Then no
 rollout's gradient waits for another rollout, and each micro-batch is trained in one pass, with no
 log-prob pass before it:
 
@@ -49,9 +51,22 @@ def terms_value(objective, rollouts, logps) -> torch.Tensor | None:
     return torch.stack(terms).sum()
 
 
+def check_rollout_count(objective, num_sequences: int) -> None:
+    """Refuse an objective that declares ``num_rollouts`` other than the trie's sequence count."""
+    declared = getattr(objective, "num_rollouts", None)
+    if declared is not None and declared != num_sequences:
+        raise ValueError(
+            f"the objective scores {declared} rollouts but the trie holds {num_sequences} sequences"
+        )
+
+
 def _checked(term, call: str) -> torch.Tensor:
     if not isinstance(term, torch.Tensor) or term.numel() != 1 or not term.dtype.is_floating_point:
         raise TypeError(f"objective.{call} must return a floating-point scalar tensor")
+    if not bool(torch.isfinite(term.detach()).all()):
+        raise ValueError(
+            f"objective.{call} is not finite ({float(term.detach())}): no gradient was written"
+        )
     return term.reshape(())
 
 

@@ -41,10 +41,10 @@ import torch
 from ..trie import RolloutTrie
 from .call_plan import CallPlan, measured_phase, plan_call
 from .cost_model import CostModel
-from .logprobs import micro_batch_logprobs
+from .logprobs import check_cost_model, micro_batch_logprobs
 from .loss_plan import LossPlan
 from .modes import flat_chunks, flat_token_logprobs, packed_token_logprobs, run_dfs_mode, run_flat, run_packed
-from .rollout_terms import is_per_rollout, run_per_rollout
+from .rollout_terms import check_rollout_count, is_per_rollout, run_per_rollout
 
 
 @dataclass
@@ -255,9 +255,16 @@ def tree_backward(
     the parameters' ``.grad``; return the losses, the log-probs and what each phase cost.
 
     ``model``: a :class:`treeattn_lab.reference.TinyLM` or a Hugging Face causal LM (Llama, Qwen2, ...).
-    ``trie``: the rollouts; ``token_weights[i]`` a 1-D float tensor as long as sequence i (index 0 is
-    ignored), or None for plain NLL. ``objective``: a callable taking the list of per-rollout log-prob
-    tensors (trie order) and returning a scalar tensor; give it or ``token_weights``, not both.
+    ``trie``: the rollouts. The two per-token conventions, side by side, for sequence i of ``n`` tokens:
+
+    - ``token_weights[i]``: length ``n``, indexed by the predicted token: ``w[t]`` weighs
+      ``log p(x[t] | x[<t])`` for t = 1 .. n - 1, and ``w[0]`` is ignored (token 0 has no prediction);
+    - the log-probs the objective receives (and ``result.logps[i]``, and masks such as
+      :func:`treeattn_lab.rl.completion_masks`): length ``n - 1``, ``logps[i][t - 1]`` for the same token.
+
+    ``token_weights`` None is plain NLL. ``objective``: a callable taking the list of per-rollout log-prob
+    tensors (trie order) and returning a scalar tensor; give it or ``token_weights``, not both; one that
+    declares ``num_rollouts`` must score exactly the trie's sequences.
     ``mode``: ``"auto"``, ``"flat"``, ``"packed"`` or ``"dfs"``.
     ``block_tokens``: the longest run of tokens the DFS mode computes at once. ``token_budget``: tree tokens
     per micro-batch (None: the whole trie is one micro-batch; flat mode pads chunks of at most this many
@@ -272,7 +279,10 @@ def tree_backward(
         raise ValueError("give token_weights or objective, not both (token_weights is the linear objective)")
     if not torch.is_grad_enabled():
         raise RuntimeError("tree_backward computes gradients: call it outside torch.no_grad()")
+    check_cost_model(cost_model)
     plan = plan_call(model, trie, mode, block_tokens, token_budget, cost_model, memory_limit, with_grad=True)
+    if objective is not None:
+        check_rollout_count(objective, trie.num_sequences)
     weights = check_token_weights(trie, token_weights) if objective is None else None
     report = TreeBackwardReport(flat_tokens=sum(trie.seq_lengths), modes=list(plan.modes))
     report.predicted_s = list(plan.predicted_s)

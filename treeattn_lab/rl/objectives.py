@@ -235,6 +235,11 @@ class GRPOObjective:
                 _check_finite(f"{name}_logps", self.flat[name], mask > 0, lengths)
         self._cache: dict = {}
 
+    @property
+    def num_rollouts(self) -> int:
+        """How many rollouts the objective scores (``tree_backward`` checks it against the trie)."""
+        return len(self.lengths)
+
     def _on(self, device, dtype) -> dict:
         """``self.flat`` on ``device`` in ``dtype``, whole (``"flat"``) and split per rollout."""
         key = (str(device), dtype)
