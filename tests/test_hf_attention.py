@@ -155,3 +155,21 @@ def test_unknown_attention_arguments_are_refused():
         pass
     with pytest.raises(TypeError, match="Hugging Face model"), hf_tree_attention(torch.nn.Linear(2, 2), None):
         pass
+
+
+def test_hf_tree_attention_requires_the_packs_position_ids():
+    model = hf_model("Llama")
+    pack = RolloutTrie.from_sequences(SEQS).pack()
+    ids = pack.input_ids[None]
+    shifted = pack.position_ids[None].clone()
+    shifted[0, -1] += 1
+    with torch.no_grad(), hf_tree_attention(model, pack):
+        with pytest.raises(ValueError, match=r"position_ids=pack.position_ids\[None\].*got none"):
+            model(input_ids=ids)
+        with pytest.raises(ValueError, match="position_ids=pack.position_ids"):
+            model(input_ids=ids, position_ids=shifted)
+        with pytest.raises(ValueError, match="position_ids=pack.position_ids"):
+            model(input_ids=ids, position_ids=torch.arange(pack.num_tokens)[None])
+        exact = model(input_ids=ids, position_ids=pack.position_ids[None]).logits
+    assert torch.isfinite(exact).all()
+    assert not model._forward_pre_hooks

@@ -24,6 +24,7 @@ the logits (final logit softcapping, logit scales) are refused by :func:`check_s
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -157,8 +158,9 @@ def hf_tree_attention(model, pack, *, backend: str = "auto"):
 
     Call it as ``model(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None])``: row 0 of the
     logits then equals each rollout's own logits at its packed positions. Run backward inside the block too
-    when the model uses activation checkpointing. Unsupported attention features, and an
-    ``attention_mask`` that hides tokens, raise a ValueError.
+    when the model uses activation checkpointing. Unsupported attention features, ``position_ids`` other
+    than the pack's (missing ones included: the model would number the packed row 0 .. T - 1), and an
+    ``attention_mask`` that hides tokens raise a ValueError.
     """
     from ..pack import TreePack
     from .attention import packed_tree
@@ -169,7 +171,7 @@ def hf_tree_attention(model, pack, *, backend: str = "auto"):
         raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}")
     check_supported_model(model)
     tree = packed_tree(pack, backend)
-    hook = model.register_forward_pre_hook(_refuse_padding_masks, with_kwargs=True)
+    hook = model.register_forward_pre_hook(functools.partial(_check_call, pack), with_kwargs=True)
     try:
         with attention_session(model, int(pack.seq_lengths.max())) as slot:
             slot["attention"] = lambda layer, q, k, v, scale: tree(q, k, v, scale)
@@ -178,8 +180,18 @@ def hf_tree_attention(model, pack, *, backend: str = "auto"):
         hook.remove()
 
 
-def _refuse_padding_masks(module, args, kwargs):
-    """The pack's tree decides what each token sees; a mask that hides tokens cannot be honoured."""
+def _check_call(pack, module, args, kwargs):
+    """The pack's tree decides what each token sees and where it sits: the call must give the pack's
+    ``position_ids``, and a mask that hides tokens cannot be honoured."""
+    positions = kwargs.get("position_ids")
+    if positions is None or not torch.equal(
+        positions.reshape(-1), pack.position_ids.to(positions.device, positions.dtype)
+    ):
+        got = "none" if positions is None else f"a tensor of shape {tuple(positions.shape)} with other values"
+        raise ValueError(
+            "inside hf_tree_attention call the model with position_ids=pack.position_ids[None] (each token's "
+            f"position in its own rollout), got {got}"
+        )
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool((mask != 0).all()):
         raise ValueError(
