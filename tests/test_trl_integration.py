@@ -173,3 +173,75 @@ def test_what_the_tree_cannot_reproduce_is_refused(model_dir, tmp_path):
             processing_class=tokenizer,
             train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
         )
+
+
+def evaluate(cls, model_dir, tmp_path, **tree):
+    """``trainer.evaluate()`` of an untrained trainer: TRL computes the loss under ``torch.no_grad()``."""
+    path, tokenizer = model_dir
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / cls.__name__),
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        beta=0.04,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        loss_type="bnpo",  # a token mean: nonzero though each group's advantages sum to zero
+    )
+    trainer = cls(
+        model=str(path),
+        reward_funcs=reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+        eval_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+        **tree,
+    )
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the policy moves away from the reference: a nonzero KL
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    before = [p.grad for p in trainer.model.parameters()]
+    metrics = trainer.evaluate()
+    assert all(p.grad is g for p, g in zip(trainer.model.parameters(), before, strict=True))
+    return metrics
+
+
+@pytest.mark.parametrize("tree_mode", ["packed", "dfs"])
+def test_evaluate_matches_the_stock_trainer(model_dir, tmp_path, tree_mode):
+    want = evaluate(trl.GRPOTrainer, model_dir, tmp_path / "stock")
+    got = evaluate(TreeGRPOTrainer, model_dir, tmp_path / "tree", tree_mode=tree_mode, block_tokens=3)
+    assert abs(want["eval_loss"]) > 1e-4 and want["eval_kl"] > 1e-4
+    for key in [k for k in want if k == "eval_loss" or k.startswith(("eval_kl", "eval_clip_ratio"))]:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_more_than_one_process_is_refused(model_dir, tmp_path, monkeypatch):
+    import accelerate
+
+    path, tokenizer = model_dir
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+    )
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r"2 processes .*TreeGRPOTrainer supports one process"):
+        TreeGRPOTrainer(
+            model=str(path),
+            reward_funcs=reward,
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+        )

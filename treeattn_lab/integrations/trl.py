@@ -24,7 +24,11 @@ rewards, advantages, logging, the optimizer):
 What the tree cannot reproduce is refused when the trainer is built: other loss types, entropy masks or
 bonuses, off-policy masks, vLLM importance-sampling corrections, sampling temperatures other than 1
 (TRL divides the logits by it inside its fused head), ``delta`` clipping, MoE auxiliary losses;
-multimodal and tool-masked batches are refused when they arrive.
+multimodal and tool-masked batches are refused when they arrive. So is more than one process: the tree
+fills ``.grad`` outside DDP's forward, where no all-reduce averages it across ranks.
+
+Under ``torch.no_grad()`` (``Trainer.evaluate`` and ``prediction_step``) the loss is the same objective
+of :func:`treeattn_lab.engine.tree_logprobs`'s log-probs, with no backward.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class _Scaled:
 
     def __init__(self, objective, factor: float):
         self.objective, self.factor = objective, factor
+        self.num_rollouts = objective.num_rollouts
 
     def __call__(self, logps):
         return self.factor * self.objective(logps)
@@ -84,6 +89,11 @@ def _check_trainer(trainer) -> None:
         ),
         (args.delta is not None, "delta (two-sided clipping)"),
         (trainer.aux_loss_enabled, "MoE auxiliary losses"),
+        (
+            trainer.accelerator.num_processes > 1,
+            f"{trainer.accelerator.num_processes} processes (the tree fills .grad outside DDP's forward, so "
+            "ranks' gradients would not be averaged: TreeGRPOTrainer supports one process)",
+        ),
     ]
     refused = [what for bad, what in refusals if bad]
     if refused:
@@ -211,15 +221,19 @@ class TreeGRPOTrainer(GRPOTrainer):
             kl_importance_weight=bool(self.args.use_bias_correction_kl),
         )
         scaled = _Scaled(objective, self._loss_scale(float(completion_mask.sum()), inputs))
-        result = tree_backward(
-            self.accelerator.unwrap_model(model), trie, objective=scaled, **self.tree_options
-        )
-        mode = "train" if self.model.training else "eval"
-        for key, value in objective.metrics(result.logps).items():  # TRL's, but this process's only
-            self._metrics[mode][key].append(value)
+        unwrapped = self.accelerator.unwrap_model(model)
         anchor = next(p for p in model.parameters() if p.requires_grad)
-        value = torch.tensor(result.loss, device=anchor.device, dtype=torch.float32)
-        return _Done.apply(value, anchor)
+        if torch.is_grad_enabled():
+            result = tree_backward(unwrapped, trie, objective=scaled, **self.tree_options)
+            logps, loss = result.logps, result.loss
+        else:  # evaluation: the loss's value only
+            logps = tree_logprobs(unwrapped, trie, **self.tree_options)
+            loss = float(scaled(logps))
+        mode = "train" if self.model.training else "eval"
+        for key, value in objective.metrics(logps).items():  # TRL's, but this process's only
+            self._metrics[mode][key].append(value)
+        value = torch.tensor(loss, device=anchor.device, dtype=torch.float32)
+        return _Done.apply(value, anchor) if torch.is_grad_enabled() else value
 
 
 __all__ = ["TreeGRPOTrainer"]
