@@ -62,37 +62,49 @@ class StepZeroGradients(transformers.TrainerCallback):
             }
 
 
-def train(cls, model_dir, tmp_path, *, loss_type, num_iterations, checkpointing=False, **tree):
+def run_config(output_dir, **overrides):
+    """The GRPOConfig of the tiny runs here: CPU, float32, four generations per prompt, no reports."""
+    base = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "report_to": "none",
+        "use_cpu": True,
+        "save_strategy": "no",
+        "seed": 0,
+        "beta": 0.04,
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "disable_dropout": True,
+    }
+    return trl.GRPOConfig(**{**base, **overrides})
+
+
+def make_trainer(cls, model_dir, args, **kwargs):
     path, tokenizer = model_dir
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / cls.__name__),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=6,
-        max_steps=3,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        beta=0.04,
-        bf16=False,
-        gradient_checkpointing=checkpointing,
-        learning_rate=1e-2,
-        disable_dropout=True,
-        loss_type=loss_type,
-        num_iterations=num_iterations,
-    )
-    grab = StepZeroGradients()
-    trainer = cls(
+    return cls(
         model=str(path),
         reward_funcs=reward,
         args=args,
         processing_class=tokenizer,
-        callbacks=[grab],
         train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-        **tree,
+        **kwargs,
     )
+
+
+def train(cls, model_dir, tmp_path, *, loss_type, num_iterations, checkpointing=False, **tree):
+    args = run_config(
+        tmp_path / cls.__name__,
+        max_steps=3,
+        logging_steps=1,
+        gradient_checkpointing=checkpointing,
+        learning_rate=1e-2,
+        loss_type=loss_type,
+        num_iterations=num_iterations,
+    )
+    grab = StepZeroGradients()
+    trainer = make_trainer(cls, model_dir, args, callbacks=[grab], **tree)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     return logged, grab.grads
@@ -152,57 +164,19 @@ def test_tree_trainer_matches_the_stock_trainer(
 
 
 def test_what_the_tree_cannot_reproduce_is_refused(model_dir, tmp_path):
-    path, tokenizer = model_dir
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        temperature=0.7,
-        loss_type="cispo",
+    args = run_config(
+        tmp_path, per_device_train_batch_size=4, max_completion_length=4, temperature=0.7, loss_type="cispo"
     )
     with pytest.raises(ValueError, match=r"loss_type 'cispo'.*temperature=0.7"):
-        TreeGRPOTrainer(
-            model=str(path),
-            reward_funcs=reward,
-            args=args,
-            processing_class=tokenizer,
-            train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-        )
+        make_trainer(TreeGRPOTrainer, model_dir, args)
 
 
 def evaluate(cls, model_dir, tmp_path, **tree):
     """``trainer.evaluate()`` of an untrained trainer: TRL computes the loss under ``torch.no_grad()``."""
-    path, tokenizer = model_dir
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / cls.__name__),
-        per_device_train_batch_size=8,
-        per_device_eval_batch_size=8,
-        num_generations=4,
-        max_completion_length=6,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        beta=0.04,
-        bf16=False,
-        gradient_checkpointing=False,
-        disable_dropout=True,
-        loss_type="bnpo",  # a token mean: nonzero though each group's advantages sum to zero
-    )
-    trainer = cls(
-        model=str(path),
-        reward_funcs=reward,
-        args=args,
-        processing_class=tokenizer,
-        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-        eval_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-        **tree,
-    )
+    # bnpo is a token mean: nonzero though each group's advantages sum to zero
+    args = run_config(tmp_path / cls.__name__, per_device_eval_batch_size=8, loss_type="bnpo")
+    eval_dataset = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    trainer = make_trainer(cls, model_dir, args, eval_dataset=eval_dataset, **tree)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # the policy moves away from the reference: a nonzero KL
         for p in trainer.model.parameters():
@@ -225,23 +199,7 @@ def test_evaluate_matches_the_stock_trainer(model_dir, tmp_path, tree_mode):
 def test_more_than_one_process_is_refused(model_dir, tmp_path, monkeypatch):
     import accelerate
 
-    path, tokenizer = model_dir
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-    )
+    args = run_config(tmp_path, per_device_train_batch_size=4, max_completion_length=4)
     monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
     with pytest.raises(ValueError, match=r"2 processes .*TreeGRPOTrainer supports one process"):
-        TreeGRPOTrainer(
-            model=str(path),
-            reward_funcs=reward,
-            args=args,
-            processing_class=tokenizer,
-            train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-        )
+        make_trainer(TreeGRPOTrainer, model_dir, args)
