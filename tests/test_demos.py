@@ -117,12 +117,12 @@ def test_measured_on_names_the_device():
     assert "CPU" in demos.measured_on({"environment": {**env, "device": "cpu"}})
 
 
-def test_rat_live_config_is_the_quick_models_on_shorter_windows():
+def test_rat_live_config_is_the_quick_models_on_smaller_batches():
     from treeattn_lab.experiments.rat_dilation import MODES
 
     cfg = demos.rat_live_config()
     assert (cfg.dim, cfg.n_layers) == (MODES["quick"].dim, MODES["quick"].n_layers)
-    assert 16 in cfg.dilations and cfg.seq_len < MODES["quick"].seq_len
+    assert 16 in cfg.dilations and cfg.batch_size < MODES["quick"].batch_size
 
 
 def test_run_with_progress_returns_and_reraises():
