@@ -299,7 +299,7 @@ def test_micro_batches_with_a_calibrated_model_and_a_memory_limit():
 
 
 def train_bench_payload():
-    return viz.load_bench_results("train", "NVIDIA-H200")
+    return viz.load_calibrated_train_results("NVIDIA-H200")
 
 
 def test_train_bench_figure_from_the_committed_h200_results():

@@ -40,6 +40,7 @@ from .bench import (
     draw_speed_sweep,
     draw_train_bench,
     load_bench_results,
+    load_calibrated_train_results,
 )
 from .dfs import STATE_COLORS, STATE_LABELS, draw_dfs_step, draw_dfs_timeline, restyle_dfs_step
 from .dilation import MODEL_COLORS, draw_dilation_results
@@ -130,6 +131,7 @@ __all__ = [
     "held_tokens",
     "host_rss_rise",
     "load_bench_results",
+    "load_calibrated_train_results",
     "micro_batch_choices",
     "micro_batch_colors",
     "mode_memory_rows",

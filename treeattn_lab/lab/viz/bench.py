@@ -37,6 +37,23 @@ def load_bench_results(bench: str = "tree", device: str = "NVIDIA-H200", directo
     return max(payloads, key=lambda d: d.get("environment", {}).get("time_utc", ""))
 
 
+def load_calibrated_train_results(device: str = "NVIDIA-H200", directory=None) -> dict:
+    """The newest committed ``bench train`` run (``train__`` or ``train-<variant>__`` files) whose cost model
+    was calibrated: a run that profiled one set with a short calibration leaves it uncalibrated, and the
+    cost-model views need measured coefficients and memory."""
+    import json
+    from pathlib import Path
+
+    from ...bench.harness import RESULTS_DIR
+
+    folder = Path(directory) if directory is not None else RESULTS_DIR
+    payloads = [json.loads(p.read_text()) for p in sorted(folder.glob(f"train*__{device}__*.json"))]
+    calibrated = [d for d in payloads if d.get("cost_model", {}).get("calibrated")]
+    if not calibrated:
+        raise FileNotFoundError(f"no train*__{device}__*.json under {folder} with a calibrated cost model")
+    return max(calibrated, key=lambda d: d.get("environment", {}).get("time_utc", ""))
+
+
 def _add_speedup_bars(fig, rows, cases, backends, by) -> None:
     """Top panel: each backend's fwd+bwd speed-up over flat per case, then the ideal ratio in grey."""
     for b in backends:
