@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # before treeattn_lab (and any Triton kernel)
         torch.set_num_threads(1)
 
 import hypothesis.strategies as st  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import treeattn_lab  # noqa: E402, F401  (configures Triton before any kernel module)
@@ -208,3 +209,17 @@ def check_tree_backend(pack, heads, seed: int, dtype, backend: str, tol: float, 
         assert torch.isfinite(x.grad).all(), f"d{name} has non-finite entries"
         assert relative_error(x.grad, w.grad) < tol, f"d{name} differs"
     return out
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group for the test (skipped when this process already has one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

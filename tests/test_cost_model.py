@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from treeattn_lab import RolloutTrie
 from treeattn_lab.datasets import load_trie
@@ -282,17 +281,6 @@ def test_refine_rejects_bad_observations(observations, error, match):
 
 
 # ------------------------------------------------------------------------- the distributed probe
-@pytest.fixture
-def one_rank_group(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_probe_times_every_micro_batch_in_the_contending_modes(one_rank_group):
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48))

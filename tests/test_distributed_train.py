@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from treeattn_lab import RolloutTrie
 from treeattn_lab.bench.spawned_train import check_cases, check_model
@@ -165,17 +164,6 @@ def test_spawn_names_a_rank_that_exits_without_a_result():
     with pytest.raises(RuntimeError, match=r"^rank 1 exited with code 0 without a result"):
         spawn(2, check_cases, {"cases": [case]}, timeout_s=90, collective_timeout_s=10)
     assert time.monotonic() - started < 90
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _raise_interrupt(*args):

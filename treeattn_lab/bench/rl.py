@@ -36,7 +36,7 @@ from ..reference import TinyLM
 from ..rl import completion_masks, grpo_objective
 from ..trie import RolloutTrie
 from .harness import add_out_argument, choice_list, environment, positive_int, print_table, write_results
-from .train import LLAMA_05B, TINY
+from .train import run_setup
 
 SETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
 MODELS = ("tinylm", "qwen2")
@@ -243,15 +243,7 @@ COLUMNS = [
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    cuda = torch.cuda.is_available()
-    quick = args.quick or not cuda
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = TINY if quick else LLAMA_05B
-    engine = {
-        "block_tokens": args.block_tokens or (64 if quick else 4096),
-        "token_budget": args.token_budget or (512 if quick else 32768),
-    }
+    quick, device, dtype, cfg, engine = run_setup(args)
     models = {}
     for name in args.models:
         policy = build_model(name, cfg, device, dtype)

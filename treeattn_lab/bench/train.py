@@ -353,17 +353,23 @@ PROFILE_COLUMNS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+def run_setup(args) -> tuple[bool, torch.device, torch.dtype, TinyLMConfig, dict]:
+    """What a training bench runs on: ``(quick, device, dtype, model config, engine settings)``. A GPU runs
+    the 0.49B TinyLM in bf16 with 4096-token blocks and 32768-token micro-batches; a CPU (or ``--quick``)
+    the tiny one in fp32 with 64 / 512."""
     cuda = torch.cuda.is_available()
     quick = args.quick or not cuda
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = TINY if quick else LLAMA_05B
     engine = {
         "block_tokens": args.block_tokens or (64 if quick else 4096),
         "token_budget": args.token_budget or (512 if quick else 32768),
     }
+    return (quick, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32,
+            TINY if quick else LLAMA_05B, engine)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    quick, device, dtype, cfg, engine = run_setup(args)
     torch.manual_seed(0)
     model = TinyLM(cfg).to(device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
