@@ -10,6 +10,7 @@ import torch
 
 from treeattn_lab.corpus import VOCAB_SIZE, causal_sdpa
 from treeattn_lab.experiments import rat_dilation
+from treeattn_lab.lab import viz
 from treeattn_lab.ops.dilated import dilated_attention, gated_scan
 from treeattn_lab.patterns.dilated import DilatedPattern
 from treeattn_lab.reference import TinyLM, TinyLMConfig
@@ -103,7 +104,7 @@ def test_experiment_micro_run_has_every_row():
     assert len(result["histories"]["rat+/seed0"][0]) == 2  # a dense and a sparse pass per batch
     assert len(result["histories"]["plain/seed0"]) == 2 * MICRO.steps  # as many optimizer steps
     assert set(rat_dilation.headline(result, dilation=4)) == set(rat_dilation.MODELS)
-    assert len(rat_dilation.draw_results(result).data) > 0
+    assert len(viz.draw_dilation_results(result).data) > 0
     assert len(rat_dilation.draw_histories(result).data) == 3
 
 

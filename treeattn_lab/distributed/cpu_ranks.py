@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..atomic import atomic_writer
+
 
 def outcome(fn: Callable, kwargs: dict) -> dict:
     """``{"ok": True, "value": fn(**kwargs)}``, or the exception as ``{"ok": False, "error", "message"}``."""
@@ -48,10 +50,8 @@ def _spawned_worker(rank, world, init_file, out_dir, fn, kwargs, timeout_s):
         timeout=timedelta(seconds=timeout_s),
     )
     result = outcome(fn, kwargs)
-    path = Path(out_dir) / f"rank{rank}.pt"
-    partial = path.with_suffix(".partial")
-    torch.save(result, partial)
-    os.replace(partial, path)
+    with atomic_writer(Path(out_dir) / f"rank{rank}.pt", binary=True) as f:
+        torch.save(result, f)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 

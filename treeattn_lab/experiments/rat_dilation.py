@@ -242,38 +242,6 @@ def headline(result: dict, dilation: int = 16) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- drawing
-def draw_results(result: dict):
-    """Validation loss against D (log scale), one panel per window setting; solid: adapted, dotted: not."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    summary = result["summary"]
-    cfg = result["config"]
-    settings = [(0, 0, "no window (W = 0, P = 0)"),
-                (cfg["window"], cfg["initial"], f"window W = {cfg['window']}, initial P = {cfg['initial']}")]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=[s[2] for s in settings], shared_yaxes=True)
-    colors = {"plain": "#4C78A8", "rat+": "#E45756"}
-    for col, (W, P, _) in enumerate(settings, start=1):
-        for model in MODELS:
-            for adapted in (False, True):
-                pts = sorted((s["dilation"], s["val_loss"]) for s in summary if s["model"] == model
-                             and (s["dilation"] == 1 or (s["window"] == W and s["initial"] == P))
-                             and s["adapted"] == adapted)
-                if not pts:
-                    continue
-                name = f"{model}{', adapted' if adapted else ''}"
-                fig.add_trace(go.Scatter(
-                    x=[d for d, _ in pts], y=[v for _, v in pts], mode="lines+markers", name=name,
-                    legendgroup=name, showlegend=col == 1,
-                    line=dict(color=colors[model], dash="solid" if adapted else "dot"),
-                    hovertemplate=f"{name}<br>D=%{{x}}: %{{y:.3f}} nats/byte<extra></extra>"), row=1, col=col)
-    fig.update_xaxes(type="log", title="dilation D", tickvals=cfg["dilations"])
-    fig.update_yaxes(title="validation loss (nats per byte)", row=1, col=1)
-    fig.update_layout(template="plotly_white", height=420,
-                      title="Dense-trained models under dilated attention (lower is better)")
-    return fig
-
-
 def draw_histories(result: dict):
     """Training loss per optimizer step: plain attention, and RAT+'s dense and sparse passes."""
     import plotly.graph_objects as go
