@@ -62,6 +62,16 @@ K, V rows) stay pointer loads. Descriptors live in a small global scratch buffer
 the allocator of ``triton.set_allocator``. The tuned defaults (``kernels/tuning.py``) use TMA for the
 head-dim-128 forward only.
 
+Ops that torch.compile traces
+-----------------------------
+The kernels run as ``torch.library`` custom ops in the ``treeattn_lab`` namespace:
+``tree_attention_fwd`` (out, base-2 lse), ``tree_attention_bwd`` (dq, dk, dv; the forward's registered
+autograd calls it, so a compiled backward traces too) and ``tree_schedule`` (the CSR tensors of
+:func:`tile_schedule`). Each has a fake implementation that gives its output shapes without running it;
+the schedule's index length is data-dependent, so its fake returns a fresh dynamic size. Eagerly the
+schedule is cached on the pack (:func:`schedule_for`); inside a compiled graph a cached schedule is read
+and a missing one is built by the op on every call.
+
 Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use IEEE fp32
 dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32 / fp16 there.
 """
@@ -77,13 +87,9 @@ from .tuning import TREE, TREE_FALLBACK, LaunchConfig, launch_config
 
 
 # --------------------------------------------------------------------------------------- schedule
-def tile_schedule(subtree_end: torch.Tensor, block_m: int, block_n: int) -> dict:
-    """Which key tiles each query tile visits (and the transpose), as CSR arrays on the pack's device.
-
-    Returns ``fwd_ptr [nQ, 3]`` (start, end of full tiles, end of all tiles) with ``fwd_idx`` the key
-    tile ids, and ``bwd_ptr [nK, 3]`` / ``bwd_idx`` listing query tiles per key tile, plus counts.
-    Memory is one bool per (query tile, key tile) pair while building.
-    """
+def _tile_classes(subtree_end: torch.Tensor, block_m: int, block_n: int):
+    """``(full, partial)`` bool ``[query tiles, key tiles]``: the tile pairs that run unmasked and those
+    that run with the element mask (every other pair is invisible). One bool per tile pair."""
     dev = subtree_end.device
     T = subtree_end.numel()
     nq, nk = triton.cdiv(T, block_m), triton.cdiv(T, block_n)
@@ -109,7 +115,17 @@ def tile_schedule(subtree_end: torch.Tensor, block_m: int, block_n: int) -> dict
         & (k_end[None, :] - 1 <= q0[:, None])
         & (min_se[None, :] >= q1[:, None])
     )
-    partial = visible & ~full
+    return full, visible & ~full
+
+
+def tile_schedule(subtree_end: torch.Tensor, block_m: int, block_n: int) -> dict:
+    """Which key tiles each query tile visits (and the transpose), as CSR arrays on the pack's device.
+
+    Returns ``fwd_ptr [nQ, 3]`` (start, end of full tiles, end of all tiles) with ``fwd_idx`` the key
+    tile ids, and ``bwd_ptr [nK, 3]`` / ``bwd_idx`` listing query tiles per key tile, plus counts.
+    Memory is one bool per (query tile, key tile) pair while building.
+    """
+    full, partial = _tile_classes(subtree_end, block_m, block_n)
     fwd_ptr, fwd_idx = _csr(full, partial)
     bwd_ptr, bwd_idx = _csr(full.T, partial.T)
     return {
@@ -121,7 +137,7 @@ def tile_schedule(subtree_end: torch.Tensor, block_m: int, block_n: int) -> dict
         "bwd_idx": bwd_idx,
         "full_tiles": int(full.sum()),
         "partial_tiles": int(partial.sum()),
-        "total_tiles": nq * nk,
+        "total_tiles": full.numel(),
     }
 
 
@@ -321,25 +337,25 @@ def _tree_attn_bwd_dq(
 
 
 # --------------------------------------------------------------------------------------- launchers
-def _forward(q, k, v, subtree_end, sched, launch, scale):
+def _forward(q, k, v, subtree_end, ptr, idx, launch, scale):
     T, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((hq, T), device=q.device, dtype=torch.float32)
-    _tree_attn_fwd[(triton.cdiv(T, sched["block_m"]), hq)](
-        q, k, v, o, lse, subtree_end, sched["fwd_ptr"], sched["fwd_idx"],
+    _tree_attn_fwd[(triton.cdiv(T, launch.block_m), hq)](
+        q, k, v, o, lse, subtree_end, ptr, idx,
         T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), scale * core.LOG2E,
-        **_launch(sched, launch, q.dtype, hq // k.shape[1], d, (k, v)),
+        **_launch(launch, q.dtype, hq // k.shape[1], d, (k, v)),
     )
     return o, lse
 
 
-def _launch(sched, launch: LaunchConfig, dtype, group, head_dim, tiled):
+def _launch(launch: LaunchConfig, dtype, group, head_dim, tiled):
     """Constexprs and launch options of one kernel; ``tiled``: the tensors its inner loop streams."""
     use_tma = launch.tma and core.tma_usable(*tiled)
     if use_tma and tiled[0].device.type == "cuda":
         core.ensure_scratch_allocator()
-    return dict(GROUP=group, BLOCK_M=sched["block_m"], BLOCK_N=sched["block_n"], HEAD_DIM=head_dim,
+    return dict(GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim,
                 DOT_PRECISION=core.dot_precision(dtype), USE_TMA=use_tma, num_warps=launch.num_warps,
                 num_stages=launch.num_stages)
 
@@ -352,63 +368,136 @@ def should_split_groups(T: int, hq: int, hkv: int, block_n: int, device: torch.d
     return triton.cdiv(T, block_n) * hkv < 4 * sms
 
 
-def _backward(do, q, k, v, o, lse, subtree_end, dkdv_sched, dkdv_launch, dq_sched, dq_launch, scale,
-              split_groups):
+def _backward(do, q, k, v, o, lse, subtree_end, schedule, dkdv_launch, dq_launch, scale, split_groups):
+    """``(dq, dk, dv)``; ``schedule``: the six CSR tensors of :func:`tree_attention_fwd`."""
     T, hq, d = q.shape
     hkv = k.shape[1]
+    dkdv_ptr, dkdv_idx, dq_ptr, dq_idx = schedule[2:]
     do = do.contiguous()
     delta = core.attention_delta(o, do)  # [Hq, T] fp32, one Triton pass
     dq = torch.empty_like(q)
     if split_groups is None:
-        split_groups = should_split_groups(T, hq, hkv, dkdv_sched["block_n"], q.device)
+        split_groups = should_split_groups(T, hq, hkv, dkdv_launch.block_n, q.device)
     if split_groups and hq != hkv:  # per query head over repeated K/V, fp32 partials summed per group
         kk, vv = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
         dk, dv = (torch.empty((T, hq, d), device=q.device, dtype=torch.float32) for _ in range(2))
     else:
         kk, vv = k, v
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _tree_attn_bwd_dkdv[(triton.cdiv(T, dkdv_sched["block_n"]), kk.shape[1])](
-        q, kk, vv, do, lse, delta, dk, dv, subtree_end, dkdv_sched["bwd_ptr"], dkdv_sched["bwd_idx"],
+    _tree_attn_bwd_dkdv[(triton.cdiv(T, dkdv_launch.block_n), kk.shape[1])](
+        q, kk, vv, do, lse, delta, dk, dv, subtree_end, dkdv_ptr, dkdv_idx,
         T, q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        scale * core.LOG2E, scale, **_launch(dkdv_sched, dkdv_launch, q.dtype, hq // kk.shape[1], d, (q, do)),
+        scale * core.LOG2E, scale, **_launch(dkdv_launch, q.dtype, hq // kk.shape[1], d, (q, do)),
     )
     if kk is not k:
         dk, dv = (x.view(T, hkv, hq // hkv, d).sum(2).to(k.dtype) for x in (dk, dv))
-    _tree_attn_bwd_dq[(triton.cdiv(T, dq_sched["block_m"]), hq)](
-        q, k, v, do, lse, delta, dq, subtree_end, dq_sched["fwd_ptr"], dq_sched["fwd_idx"],
+    _tree_attn_bwd_dq[(triton.cdiv(T, dq_launch.block_m), hq)](
+        q, k, v, do, lse, delta, dq, subtree_end, dq_ptr, dq_idx,
         T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        scale * core.LOG2E, scale, **_launch(dq_sched, dq_launch, q.dtype, hq // hkv, d, (k, v)),
+        scale * core.LOG2E, scale, **_launch(dq_launch, q.dtype, hq // hkv, d, (k, v)),
     )
     return dq, dk, dv
 
 
-class TreeAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward saves (q, k, v, o, lse); backward recomputes probabilities from lse."""
+# --------------------------------------------------------------------------------------- custom ops
+# The kernels run as ``torch.library`` custom ops, so ``torch.compile(fullgraph=True)`` traces a model
+# that calls them: a fake implementation gives each op's output shapes, and the backward is an op too,
+# so a compiled backward traces as well. Launches travel as ``[block_m, block_n, num_warps, num_stages,
+# tma]`` int lists (:func:`_launch_ints`), schedules as their CSR tensors.
+def _launch_ints(launch: LaunchConfig) -> list[int]:
+    return [launch.block_m, launch.block_n, launch.num_warps, launch.num_stages, int(launch.tma)]
 
-    @staticmethod
-    def forward(ctx, q, k, v, subtree_end, scale, fwd_plan, dkdv_plan, dq_plan, split_groups):
-        o, lse = _forward(q, k, v, subtree_end, *fwd_plan, scale)
-        ctx.save_for_backward(q, k, v, o, lse, subtree_end)
-        ctx.scale, ctx.dkdv_plan, ctx.dq_plan, ctx.split_groups = scale, dkdv_plan, dq_plan, split_groups
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse, subtree_end = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, subtree_end, *ctx.dkdv_plan, *ctx.dq_plan, ctx.scale,
-                               ctx.split_groups)
-        return dq, dk, dv, None, None, None, None, None, None
+def _launch_of(ints) -> LaunchConfig:
+    block_m, block_n, num_warps, num_stages, tma = ints
+    return LaunchConfig(block_m, block_n, num_warps, num_stages, bool(tma))
+
+
+@torch.library.custom_op("treeattn_lab::tree_schedule", mutates_args=())
+def tree_schedule_op(subtree_end: torch.Tensor, block_m: int, block_n: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fwd_ptr, fwd_idx, bwd_ptr, bwd_idx)`` of :func:`tile_schedule`, as an op: under
+    ``torch.compile`` a pack whose schedule is not cached yet gets it from here, without host syncs."""
+    full, partial = _tile_classes(subtree_end, block_m, block_n)
+    return (*_csr(full, partial), *_csr(full.T, partial.T))
+
+
+@tree_schedule_op.register_fake
+def _(subtree_end, block_m, block_n):
+    T = subtree_end.shape[0]
+    visited = torch.library.get_ctx().new_dynamic_size()  # tiles visited: data-dependent
+    ptr = (subtree_end.new_empty((triton.cdiv(T, b), 3), dtype=torch.int32) for b in (block_m, block_n))
+    fwd_ptr, bwd_ptr = ptr
+    idx = subtree_end.new_empty((visited,), dtype=torch.int32)
+    return fwd_ptr, idx, bwd_ptr, torch.empty_like(idx)
+
+
+@torch.library.custom_op("treeattn_lab::tree_attention_fwd", mutates_args=())
+def tree_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
+                       schedule: list[torch.Tensor], scale: float, launches: list[int],
+                       split_groups: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse2 [Hq, T])`` of the forward kernel. ``schedule``: the CSR tensors of the three launches
+    (forward ``fwd_ptr, fwd_idx``, dK/dV ``bwd_ptr, bwd_idx``, dQ ``fwd_ptr, fwd_idx``), ``launches`` their
+    15 ints; the backward's share is carried here for :func:`_tree_setup_context`."""
+    launch = _launch_of(launches[:5])
+    return _forward(q, k, v, subtree_end, schedule[0], schedule[1], launch, scale)
+
+
+@tree_attention_fwd.register_fake
+def _(q, k, v, subtree_end, schedule, scale, launches, split_groups):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("treeattn_lab::tree_attention_bwd", mutates_args=())
+def tree_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, subtree_end: torch.Tensor, schedule: list[torch.Tensor],
+                       scale: float, launches: list[int], split_groups: bool | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of the two backward kernels (arguments as :func:`tree_attention_fwd`'s)."""
+    return _backward(do, q, k, v, o, lse, subtree_end, schedule, _launch_of(launches[5:10]),
+                     _launch_of(launches[10:]), scale, split_groups)
+
+
+@tree_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, subtree_end, schedule, scale, launches, split_groups):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _tree_setup_context(ctx, inputs, output):
+    q, k, v, subtree_end, schedule, scale, launches, split_groups = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], subtree_end, *schedule)
+    ctx.scale, ctx.launches, ctx.split_groups = scale, launches, split_groups
+
+
+def _tree_backward(ctx, do, _dlse):
+    q, k, v, o, lse, subtree_end, *schedule = ctx.saved_tensors
+    dq, dk, dv = tree_attention_bwd(do, q, k, v, o, lse, subtree_end, schedule, ctx.scale, ctx.launches,
+                                    ctx.split_groups)
+    return dq, dk, dv, None, [None] * len(schedule), None, None, None
+
+
+tree_attention_fwd.register_autograd(_tree_backward, setup_context=_tree_setup_context)
 
 
 def schedule_for(pack, block_m: int, block_n: int) -> dict:
-    """The tile schedule of ``pack`` for these tile sizes, built once and cached on the pack."""
+    """The tile schedule of ``pack`` for these tile sizes, built once and cached on the pack.
+
+    Under ``torch.compile`` a cached schedule is read as it is; a missing one comes from the
+    ``tree_schedule`` op (its CSR tensors only, no counts) and is not cached: the traced graph builds it
+    on every call. Run the model once eagerly (or call this) before compiling to reuse it.
+    """
     key = ("triton_tree_schedule", block_m, block_n, str(pack.device))
-    if key not in pack._cache:
-        pack._cache[key] = tile_schedule(pack.subtree_end, block_m, block_n)
-    return pack._cache[key]
+    sched = pack._cache.get(key)
+    if sched is not None:
+        return sched
+    if torch.compiler.is_compiling():
+        tensors = tree_schedule_op(pack.subtree_end, block_m, block_n)
+        return dict(zip(("fwd_ptr", "fwd_idx", "bwd_ptr", "bwd_idx"), tensors, strict=True),
+                    block_m=block_m, block_n=block_n)
+    sched = pack._cache[key] = tile_schedule(pack.subtree_end, block_m, block_n)
+    return sched
 
 
 def default_configs(head_dim: int, dtype: torch.dtype) -> dict[str, LaunchConfig]:
@@ -430,10 +519,15 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     """
     launches = [launch_config(config, f"{name}_config", default_configs(q.shape[-1], q.dtype)[name])
                 for name, config in (("fwd", fwd_config), ("dkdv", dkdv_config), ("dq", dq_config))]
+    launch_ints = [n for launch in launches for n in _launch_ints(launch)]
 
     def apply(q, k, v, scale):  # after the input checks: a refused call caches no schedule on the pack
-        plans = [(schedule_for(pack, launch.block_m, launch.block_n), launch) for launch in launches]
-        subtree_end = pack.subtree_end.contiguous()
-        return TreeAttentionFunction.apply(q, k, v, subtree_end, scale, *plans, split_groups)
+        schedule = []
+        for launch, rows in zip(launches, ("fwd", "bwd", "fwd"), strict=True):
+            sched = schedule_for(pack, launch.block_m, launch.block_n)
+            schedule += [sched[f"{rows}_ptr"], sched[f"{rows}_idx"]]
+        o, lse = tree_attention_fwd(q, k, v, pack.subtree_end.contiguous(), schedule, scale, launch_ints,
+                                    split_groups)
+        return o, lse.detach()  # the log-sum-exp carries no gradient
 
     return core.run_attention(apply, q, k, v, scale=scale, return_lse=return_lse)

@@ -1,0 +1,120 @@
+"""The Triton kernels as ``torch.library`` custom ops: opcheck, and ``torch.compile(fullgraph=True)``.
+
+Each op (tree attention, its tile schedule, block-sparse attention, dilated attention, the gated scan)
+passes ``torch.library.opcheck`` (schema, autograd registration, fake tensors, AOT dispatch with
+dynamic shapes) on small awkward sizes, forward and backward. Functions calling each op compile with
+``fullgraph=True`` under the ``eager`` backend and under inductor, and their outputs and gradients equal
+eager mode's. On CPU the kernels run under Triton's interpreter (fp32 here).
+"""
+
+import pytest
+import torch
+from treeattn_lab.kernels import tree_attention as tree_kernel
+from treeattn_lab.kernels.tuning import LaunchConfig
+
+from treeattn_lab import RolloutTrie, reference, tree_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILE = LaunchConfig(16, 16, 4, 1)
+TREE_TILES = {"fwd_config": TILE, "dkdv_config": LaunchConfig(16, 32, 4, 1), "dq_config": TILE}
+COMPILERS = ["eager", "inductor"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(seed, *shapes, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen).to(DEVICE, dtype).requires_grad_() for s in shapes]
+
+
+def _run(fn, inputs, *args):
+    """``fn(*inputs, *args)`` and the gradients of a fixed random projection of its output."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves, *args)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
+    (out * weight).sum().backward()
+    return out.detach(), [x.grad for x in leaves]
+
+
+def _assert_compiles_like_eager(fn, inputs, *args, compiler, tol=1e-5):
+    want, want_grads = _run(fn, inputs, *args)
+    got, got_grads = _run(torch.compile(fn, fullgraph=True, backend=compiler), inputs, *args)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------- tree
+def _pack():
+    seqs = [[1, 2, 3, 4] * 5, [1, 2, 5] * 7, [1, 2, 5, 6] * 3, [7, 8] * 9, [1, 2, 3]]
+    return RolloutTrie.from_sequences(seqs).pack().to(DEVICE)  # 59 tokens: no tile size divides it
+
+
+def _tree_op_args(pack, hq=4, hkv=2, d=16, seed=0):
+    q, k, v = _inputs(seed, (pack.num_tokens, hq, d), (pack.num_tokens, hkv, d), (pack.num_tokens, hkv, d))
+    fwd, dkdv = (tree_kernel.tile_schedule(pack.subtree_end, 16, n) for n in (16, 32))
+    schedule = [fwd["fwd_ptr"], fwd["fwd_idx"], dkdv["bwd_ptr"], dkdv["bwd_idx"], fwd["fwd_ptr"],
+                fwd["fwd_idx"]]
+    launches = [16, 16, 4, 1, 0, 16, 32, 4, 1, 0, 16, 16, 4, 1, 0]
+    return q, k, v, pack.subtree_end, schedule, 0.3, launches
+
+
+@pytest.mark.parametrize("split_groups", [False, True])
+def test_tree_ops_pass_opcheck(split_groups):
+    args = (*_tree_op_args(_pack()), split_groups)
+    torch.library.opcheck(tree_kernel.tree_attention_fwd, args)
+    q, k, v = args[:3]
+    o, lse = tree_kernel.tree_attention_fwd(*args)
+    do = torch.randn_like(o)
+    torch.library.opcheck(tree_kernel.tree_attention_bwd, (do, q.detach(), k.detach(), v.detach(), o.detach(),
+                                                           lse.detach(), *args[3:]))
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (16, 32), (32, 16)])
+def test_tree_schedule_op_passes_opcheck_and_equals_tile_schedule(block_m, block_n):
+    pack = _pack()
+    torch.library.opcheck(tree_kernel.tree_schedule_op, (pack.subtree_end, block_m, block_n))
+    want = tree_kernel.tile_schedule(pack.subtree_end, block_m, block_n)
+    got = tree_kernel.tree_schedule_op(pack.subtree_end, block_m, block_n)
+    for name, tensor in zip(("fwd_ptr", "fwd_idx", "bwd_ptr", "bwd_idx"), got, strict=True):
+        assert torch.equal(tensor, want[name]), name
+
+
+def _tree_fn(pack):
+    def fn(q, k, v):
+        return tree_kernel.triton_tree_attention(q, k, v, pack, scale=0.3, **TREE_TILES)
+    return fn
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("cached", [True, False])
+def test_tree_attention_compiles_fullgraph_like_eager(compiler, cached):
+    """A pack whose schedule is cached reads it; a fresh one builds it inside the graph (not cached)."""
+    pack = _pack()
+    inputs = _inputs(1, (pack.num_tokens, 4, 16), (pack.num_tokens, 2, 16), (pack.num_tokens, 2, 16))
+    compiled_pack = pack if cached else _pack()
+    want, want_grads = _run(_tree_fn(pack), inputs)  # eager: caches the schedules on `pack`
+    got, got_grads = _run(torch.compile(_tree_fn(compiled_pack), fullgraph=True, backend=compiler), inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert bool(compiled_pack._cache) == cached  # the graph built its schedules without caching them
+    ref = reference.tree_attention(*(x.detach().double() for x in inputs), pack.subtree_end, scale=0.3)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_attention_through_the_public_entry_point_compiles():
+    pack = _pack()
+    inputs = _inputs(2, (pack.num_tokens, 4, 32), (pack.num_tokens, 4, 32), (pack.num_tokens, 4, 32))
+
+    def fn(q, k, v):
+        return tree_attention(q, k, v, pack, backend="triton")
+
+    _assert_compiles_like_eager(fn, inputs, compiler="eager")
