@@ -86,6 +86,16 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def package_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (a pip name), or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 def environment_report() -> dict:
     """A dictionary describing the versions, devices and attention backends available here."""
     import torch
@@ -97,6 +107,7 @@ def environment_report() -> dict:
         "cuda": cuda_available(),
         "triton": None,
         "triton_mode": None,
+        "flash_attn_4": package_version("flash-attn-4"),
         "gpus": [],
     }
     if triton_installed():

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import write_text_atomic
+from ..runtime import package_version
 
 # The results committed with a source checkout (read by the notebooks and the results document). Runs
 # write to default_results_dir() instead, so an installed package never writes into site-packages.
@@ -133,6 +134,9 @@ def environment() -> dict:
     }
     if torch.cuda.is_available():
         env["cuda"] = torch.version.cuda
+    fa4 = package_version("flash-attn-4")
+    if fa4 is not None:
+        env["flash_attn_4"] = fa4
     return env
 
 

@@ -14,14 +14,17 @@ responses; then the bundled rollout sets):
 - varlen: the packed trie, ``tree_attention(backend="varlen")``: FlashAttention's varlen kernel with one
   sequence per leaf, the packed queries as they are and each leaf's rollout gathered as keys (the gathers
   and the backward's sums into the pack are timed);
-- auto: the packed trie, ``tree_attention(backend="auto")`` (its pick is reported: gather-flat when the
-  pack shares little, else triton).
+- fa4 (where available: a Hopper-class GPU with the ``[hopper]`` extra): the packed trie,
+  FlashAttention-4's kernels with the tree ``mask_mod`` through FlexAttention's FLASH backend (block mask
+  built once, not timed; the first call of each size compiles, not timed);
+- auto: the packed trie, ``tree_attention(backend="auto")`` (its pick is reported: fa4 where available,
+  else gather-flat when the pack shares little, else triton).
 
 Reported: median ms forward and forward+backward, speed-up over flat, the ideal speed-up (attended pairs
 flat / tree) and useful TFLOP/s = attended pairs x 4 x heads x head_dim / time (x 3.5 for fwd+bwd:
 the backward does 2.5 times the forward's matrix work). ``--check`` also compares the bf16 triton,
-gather-flat and varlen outputs and gradients with an fp32 flat reference. When auto runs, a second table
-puts auto beside flat SDPA and triton for every case.
+gather-flat, varlen and fa4 outputs and gradients with an fp32 flat reference. When auto runs, a second
+table puts auto beside flat SDPA, triton and the fastest other row for every case.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..ops.backends import available_backends
 from ..trie import RolloutTrie
 from .harness import (
     add_out_argument,
@@ -47,7 +51,7 @@ from .harness import (
 
 # bench row name -> tree_attention backend ("flat" is the flat SDPA baseline, not a tree_attention backend)
 TREE_BACKENDS = {"reference": "reference", "flex": "flex", "triton": "triton", "gather-flat": "flat",
-                 "varlen": "varlen", "auto": "auto"}
+                 "varlen": "varlen", "fa4": "fa4", "auto": "auto"}
 ROW_OF_BACKEND = {b: row for row, b in TREE_BACKENDS.items()}
 
 
@@ -183,7 +187,7 @@ def run_case(case: TreeCase, *, heads: int, dim: int, dtype, device, backends, c
         rows.append({**base, "backend": backend, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
                      "fwd_tflops": useful / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * useful / fwd_bwd_ms / 1e9})
         if backend == "auto":
-            rows[-1]["auto_picks"] = ROW_OF_BACKEND[choose_tree_backend("auto", pack, device, dtype)]
+            rows[-1]["auto_picks"] = ROW_OF_BACKEND[choose_tree_backend("auto", pack, device, dtype, dim)]
         del inputs
     flat = next((r for r in rows if r["backend"] == "flat"), None)
     for r in rows:
@@ -191,21 +195,26 @@ def run_case(case: TreeCase, *, heads: int, dim: int, dtype, device, backends, c
             r["fwd_speedup"] = flat["fwd_ms"] / r["fwd_ms"]
             r["fwd_bwd_speedup"] = flat["fwd_bwd_ms"] / r["fwd_bwd_ms"]
     for r in rows:
-        if check and r["backend"] in ("triton", "gather-flat", "varlen"):
+        if check and r["backend"] in ("triton", "gather-flat", "varlen", "fa4"):
             r.update(check_against_flat(pack, heads, dim, device, gen, TREE_BACKENDS[r["backend"]]))
     return rows
 
 
 def auto_summary(rows: list[dict]) -> list[dict]:
-    """One row per case: auto's pick and speed beside flat SDPA and the triton kernel (fwd+bwd)."""
+    """One row per case: auto's pick and speed beside flat SDPA, the triton kernel and the fastest other
+    row of the case (fwd+bwd)."""
     by = {(r["case"], r["backend"]): r for r in rows}
     out = []
     for case in dict.fromkeys(r["case"] for r in rows):
         auto, flat, triton = (by.get((case, b)) for b in ("auto", "flat", "triton"))
         if auto is None:
             continue
+        others = [r for r in rows if r["case"] == case and r["backend"] not in ("auto", "reference")]
         row = {"case": case, "ideal": auto["ideal"], "auto_picks": auto.get("auto_picks"),
                "auto_fwd_bwd_ms": auto["fwd_bwd_ms"]}
+        if others:
+            fastest = min(others, key=lambda r: r["fwd_bwd_ms"])
+            row.update(fastest=fastest["backend"], auto_x_fastest=fastest["fwd_bwd_ms"] / auto["fwd_bwd_ms"])
         if flat is not None:
             row.update(flat_fwd_bwd_ms=flat["fwd_bwd_ms"], auto_fwd_x_flat=flat["fwd_ms"] / auto["fwd_ms"],
                        auto_x_flat=flat["fwd_bwd_ms"] / auto["fwd_bwd_ms"])
@@ -222,7 +231,8 @@ COLUMNS = [("case", "case"), ("T", "packed T"), ("backend", "backend"), ("fwd_ms
 AUTO_COLUMNS = [("case", "case"), ("ideal", "ideal"), ("auto_picks", "auto picks"),
                 ("flat_fwd_bwd_ms", "flat SDPA fwd+bwd ms"), ("auto_fwd_bwd_ms", "auto fwd+bwd ms"),
                 ("auto_x_flat", "auto fwd+bwd x flat"), ("auto_fwd_x_flat", "auto fwd x flat"),
-                ("auto_x_triton", "auto x triton")]
+                ("auto_x_triton", "auto x triton"), ("fastest", "fastest other"),
+                ("auto_x_fastest", "auto x fastest")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,11 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", choices=["research", "data", "all", "quick"], default=None,
                         help="default: all on a GPU, quick on the CPU")
     parser.add_argument("--backends", default=None, type=choice_list(["flat", *TREE_BACKENDS]),
-                        help="comma list of flat,flex,triton,gather-flat,varlen,auto (and reference); "
-                             "default: all but reference on a GPU, all but flex on the CPU")
+                        help="comma list of flat,flex,triton,gather-flat,varlen,fa4,auto (and reference); "
+                             "default: all but reference on a GPU (fa4 where it is available), all but flex "
+                             "and fa4 on the CPU")
     parser.add_argument("--heads", type=positive_int, default=16)
     parser.add_argument("--dim", type=positive_int, default=128)
-    parser.add_argument("--check", action="store_true", help="also check triton bf16 against fp32 flat")
+    parser.add_argument("--check", action="store_true",
+                        help="also check the bf16 triton, gather-flat, varlen and fa4 rows against fp32 flat")
     add_out_argument(parser)
     args = parser.parse_args(argv)
 
@@ -245,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     which = args.cases or ("all" if cuda else "quick")
     cases = {"research": research_cases, "data": dataset_cases, "quick": quick_cases,
              "all": lambda: research_cases() + dataset_cases()}[which]()
+    fa4 = ["fa4"] if "fa4" in available_backends(device) else []
     backends = args.backends or (
-        ["flat", "flex", "triton", "gather-flat", "varlen", "auto"] if cuda
+        ["flat", "flex", "triton", "gather-flat", "varlen", *fa4, "auto"] if cuda
         else ["flat", "reference", "triton", "gather-flat", "varlen", "auto"])
     heads, dim = (args.heads, args.dim) if cuda or args.cases else (2, 16)
 

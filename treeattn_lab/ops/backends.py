@@ -5,7 +5,9 @@ Every op has the same three backends: ``"reference"`` (the einops definition, an
 ``"auto"`` picks the fastest available: triton on CUDA, else flex on CUDA, else the reference.
 Tree attention also has ``"flat"`` (causal SDPA per rollout, ``ops/flat_tree.py``), which ``"auto"``
 picks on CUDA when the caller reports that the pack shares little (``low_sharing``), and ``"varlen"``
-(FlashAttention's varlen kernel, one sequence per leaf, ``ops/varlen_tree.py``).
+(FlashAttention's varlen kernel, one sequence per leaf, ``ops/varlen_tree.py``), and ``"fa4"``
+(FlashAttention-4 through FlexAttention, ``ops/fa4_tree.py``) where a Hopper-class GPU and the
+``[hopper]`` extra allow it; ``"auto"`` picks it there first (``ops/tree.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
+from .fa4_tree import FA4_NEEDS, fa4_available
 
 BACKENDS = ("reference", "flex", "triton")
 KERNELS = {  # op -> its kernel module in kernels/ (installed as treeattn_lab.kernels)
@@ -24,6 +28,9 @@ KERNELS = {  # op -> its kernel module in kernels/ (installed as treeattn_lab.ke
 NO_FLEX = ("gated_scan",)  # a recurrence, not attention
 # backends only some ops have (plain torch, always available)
 OP_BACKENDS = {"tree_attention": ("flat", "varlen")}
+# backends that need a package and a GPU: op -> backend -> its availability test on a device
+OPTIONAL_BACKENDS = {"tree_attention": {"fa4": fa4_available}}
+OPTIONAL_NEEDS = {"fa4": FA4_NEEDS}
 
 
 def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
@@ -36,7 +43,8 @@ def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
     kernel = f"treeattn_lab.kernels.{KERNELS[op]}"
     if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(kernel) is not None:
         out.append("triton")
-    return out + list(OP_BACKENDS.get(op, ()))
+    optional = [name for name, usable in OPTIONAL_BACKENDS.get(op, {}).items() if usable(device)]
+    return out + list(OP_BACKENDS.get(op, ())) + optional
 
 
 def choose_backend(backend: str, device: torch.device, op: str = "tree_attention", *,
@@ -54,9 +62,10 @@ def choose_backend(backend: str, device: torch.device, op: str = "tree_attention
                 if name in avail:
                     return name
         return "reference"
-    names = BACKENDS + OP_BACKENDS.get(op, ())
+    names = BACKENDS + OP_BACKENDS.get(op, ()) + tuple(OPTIONAL_BACKENDS.get(op, {}))
     if backend not in names:
         raise ValueError(f"unknown backend {backend!r}; choose one of {('auto',) + names}")
     if backend not in avail:
-        raise ValueError(f"backend {backend!r} of {op} is not available on {device} here")
+        needs = f": it needs {OPTIONAL_NEEDS[backend]}" if backend in OPTIONAL_NEEDS else ""
+        raise ValueError(f"backend {backend!r} of {op} is not available on {device} here{needs}")
     return backend

@@ -10,9 +10,12 @@ Backends:
 - ``"varlen"``: FlashAttention's variable-length kernel with one sequence per leaf: the packed queries as
   they are, each leaf's rollout gathered as keys, causal aligned bottom-right (``ops/varlen_tree.py``);
   every visible pair once, at flash's speed per pair.
-- ``"auto"``: the fastest available: on CUDA flat when the pack shares little (attended pairs flat / tree
-  below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once per pack) and the inputs are fp16 / bf16, else
-  triton, else flex; reference on the CPU.
+- ``"fa4"``: FlashAttention-4's CuTe DSL kernels with the tree ``mask_mod`` through FlexAttention's FLASH
+  backend (``ops/fa4_tree.py``): CUDA compute capability >= 9.0 with the ``[hopper]`` extra installed.
+- ``"auto"``: the fastest available on CUDA for fp16 / bf16 inputs: fa4 where it runs, else flat when the
+  pack shares little (attended pairs flat / tree below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once
+  per pack; not while ``torch.compile`` traces, since deciding reads the pack on the host), else triton,
+  else flex; triton for other dtypes on CUDA; reference on the CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from .. import reference
 from .backends import available_backends, choose_backend
+from .fa4_tree import FA4_MAX_HEAD_DIM, fa4_available, fa4_tree_attention
 from .flat_tree import flat_tree_attention, prefers_flat
 from .validation import check_qkv, check_scale
 from .varlen_tree import varlen_tree_attention
@@ -31,12 +35,15 @@ __all__ = ["available_backends", "choose_backend", "choose_tree_backend", "tree_
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where SDPA runs FlashAttention on CUDA
 
 
-def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype) -> str:
-    """The backend ``tree_attention`` runs for ``backend`` on ``device``: ``"auto"`` runs a pack that
-    shares little flat on CUDA in half precision, where SDPA is FlashAttention
-    (:func:`treeattn_lab.ops.flat_tree.prefers_flat`, cached per pack)."""
-    low_sharing = (backend == "auto" and torch.device(device).type == "cuda" and dtype in FLASH_DTYPES
-                   and prefers_flat(pack))
+def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype, head_dim: int = 128) -> str:
+    """The backend ``tree_attention`` runs for ``backend`` on ``device``. ``"auto"`` on CUDA in half
+    precision runs FlashAttention-4 where it is available and takes ``head_dim``, else a pack that shares
+    little flat, where SDPA is FlashAttention (:func:`treeattn_lab.ops.flat_tree.prefers_flat`, cached per
+    pack)."""
+    half_on_gpu = backend == "auto" and torch.device(device).type == "cuda" and dtype in FLASH_DTYPES
+    if half_on_gpu and head_dim % 8 == 0 and head_dim <= FA4_MAX_HEAD_DIM and fa4_available(device):
+        return "fa4"
+    low_sharing = half_on_gpu and not torch.compiler.is_compiling() and prefers_flat(pack)
     return choose_backend(backend, device, low_sharing=low_sharing)
 
 
@@ -55,13 +62,15 @@ def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = 
         raise TypeError(f"pack must be a TreePack (from trie.pack()), got {type(pack).__name__}")
     check_qkv(q, k, v, num_tokens=pack.num_tokens, device=pack.device)
     check_scale(scale)
-    name = choose_tree_backend(backend, pack, q.device, q.dtype)
+    name = choose_tree_backend(backend, pack, q.device, q.dtype, q.shape[-1])
     if name == "reference":
         return reference.tree_attention(q, k, v, pack.subtree_end, scale=scale)
     if name == "flex":
         from .flex_tree import flex_tree_attention
 
         return flex_tree_attention(q, k, v, pack, scale=scale)
+    if name == "fa4":
+        return fa4_tree_attention(q, k, v, pack, scale=scale)
     if name == "flat":
         return flat_tree_attention(q, k, v, pack, scale=scale)
     if name == "varlen":

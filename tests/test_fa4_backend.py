@@ -1,0 +1,90 @@
+"""The ``"fa4"`` tree-attention backend: FlashAttention-4 through FlexAttention's FLASH backend.
+
+On the CPU: the backend is absent, a request for it names what it needs, and ``auto`` picks it only where
+it runs (half precision on a capable GPU). Where FA4 is installed on a Hopper-class GPU (the H200 with the
+``[hopper]`` extra: ``pytest tests/test_fa4_backend.py``) the last tests check its output and gradients
+against the float64 reference on random tries with awkward sizes and grouped-query heads.
+"""
+
+import pytest
+import torch
+
+from tests.conftest import relative_error, tree_backend_inputs
+from treeattn_lab import RolloutTrie, available_backends, reference, tree_attention
+from treeattn_lab.ops import backends, fa4_tree
+from treeattn_lab.ops import tree as tree_ops
+
+FA4_HERE = torch.cuda.is_available() and fa4_tree.fa4_available("cuda")
+SEQS = [list(range(300)), list(range(200)) + [7] * 90, list(range(50)) + [5] * 301, [3] * 77, [9, 8]]
+
+
+def small_pack():
+    return RolloutTrie.from_sequences(SEQS).pack()
+
+
+def test_absent_on_the_cpu_and_a_request_names_what_it_needs():
+    assert "fa4" not in available_backends("cpu")
+    assert not fa4_tree.fa4_available("cpu")
+    with pytest.raises(ValueError, match=r"fa4.*not available on cpu.*hopper.*compute capability >= 9\.0"):
+        backends.choose_backend("fa4", torch.device("cpu"))
+    pack = small_pack()
+    q = torch.zeros(pack.num_tokens, 2, 16)
+    with pytest.raises(ValueError, match="fa4"):
+        tree_attention(q, q, q, pack, backend="fa4")
+
+
+def test_fa4_refuses_what_it_cannot_take(monkeypatch):
+    monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: True)
+    pack = small_pack()
+    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 12), (torch.bfloat16, 264)):
+        q = torch.zeros(pack.num_tokens, 2, d, dtype=dtype)
+        assert not fa4_tree.runs_fa4(q)
+        with pytest.raises(ValueError, match=f"fp16 or bf16.*head dim {d}"):
+            fa4_tree.fa4_tree_attention(q, q, q, pack)
+    assert fa4_tree.runs_fa4(torch.zeros(3, 2, 128, dtype=torch.bfloat16))
+
+
+def test_auto_picks_fa4_only_in_half_precision_where_it_runs(monkeypatch):
+    pack = small_pack()
+    monkeypatch.setattr(tree_ops, "fa4_available", lambda device: torch.device(device).type == "cuda")
+    monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: True)
+    pick = lambda device, dtype, d=128: tree_ops.choose_tree_backend("auto", pack, device, dtype, d)
+    assert pick("cuda", torch.bfloat16) == "fa4"
+    assert pick("cuda", torch.float16, 64) == "fa4"
+    assert pick("cuda", torch.bfloat16, 12) == "flat"  # a head dim FA4 does not take: the next rule decides
+    assert pick("cuda", torch.float32) != "fa4"
+    assert pick("cpu", torch.bfloat16) == "reference"
+    monkeypatch.setattr(tree_ops, "fa4_available", lambda device: False)
+    assert pick("cuda", torch.bfloat16) == "flat"
+
+
+@pytest.mark.skipif(not FA4_HERE, reason="FlashAttention-4 needs a Hopper-class GPU and the [hopper] extra")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4, 64), (8, 2, 128), (2, 1, 96)])
+@pytest.mark.parametrize("seed", [3, 11])
+def test_fa4_equals_the_reference_forward_and_backward(dtype, heads, seed):
+    pack = small_pack().to("cuda")
+    q, k, v, do = (x.cuda() for x in tree_backend_inputs(pack, heads, seed, torch.float32))
+    low = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    originals = [x.detach().clone() for x in low]
+    out = tree_attention(*low, pack, backend="fa4")
+    out.backward(do.to(dtype))
+    want = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference.tree_attention(*want, pack.subtree_end, scale=None)
+    ref.backward(do.double())
+    assert out.dtype == dtype and out.shape == q.shape and torch.isfinite(out).all()
+    assert relative_error(out, ref) < 1e-2
+    for x, w, original in zip(low, want, originals, strict=True):
+        assert torch.equal(x.detach(), original)
+        assert torch.isfinite(x.grad).all() and relative_error(x.grad, w.grad) < 1e-2
+
+
+@pytest.mark.skipif(not FA4_HERE, reason="FlashAttention-4 needs a Hopper-class GPU and the [hopper] extra")
+def test_auto_runs_fa4_and_packs_of_other_sizes_reuse_it():
+    for extra in (0, 129, 1000):
+        pack = RolloutTrie.from_sequences(SEQS + [[4] * (extra + 1)]).pack().to("cuda")
+        assert tree_ops.choose_tree_backend("auto", pack, pack.device, torch.bfloat16, 128) == "fa4"
+        inputs = tree_backend_inputs(pack, (4, 4, 128), extra, torch.float32)
+        q, k, v = (x.cuda().bfloat16() for x in inputs[:3])
+        ref = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end)
+        assert relative_error(tree_attention(q, k, v, pack), ref) < 1e-2
