@@ -38,6 +38,7 @@ __all__ = [
     "sparse_against_dense",
     "sparse_gather_plan",
     "threads",
+    "time_tree_backends",
     "tree_against_flat",
 ]
 
@@ -277,3 +278,35 @@ def run_with_progress(fn: Callable[[], object], *, expected_s: float, desc: str)
         bar.n = total
         bar.set_postfix_str(f"done in {time.monotonic() - start:.0f} s")
     return value
+
+
+# --------------------------------------------------------------------------- backends side by side
+def time_tree_backends(cases, backends, *, device, heads: int = 16, dim: int = 128, dtype=torch.bfloat16,
+                       desc: str = "measurements") -> list[dict]:
+    """``bench tree`` rows of every backend on every case (``bench.tree.run_case``: median ms and useful
+    TFLOP/s, forward and forward+backward), measured one backend at a time under a ``tqdm.auto`` bar.
+
+    ``cases``: ``bench.tree.TreeCase`` objects; ``backends``: bench row names (``"flat"``, flat SDPA, or a
+    key of ``bench.tree.TREE_BACKENDS``). Each backend runs on its own, so the rows carry no speed-up over
+    flat: divide their times."""
+    from tqdm.auto import tqdm
+
+    from ..bench.tree import TREE_BACKENDS, TreeCase, run_case
+
+    cases, backends = list(cases), list(backends)
+    if not cases or not backends:
+        raise ValueError(f"need at least one case and one backend, got {len(cases)} and {len(backends)}")
+    if not all(isinstance(c, TreeCase) for c in cases):
+        raise TypeError(f"cases must be TreeCase objects, got {sorted({type(c).__name__ for c in cases})}")
+    unknown = [b for b in backends if b != "flat" and b not in TREE_BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; choose from {['flat', *TREE_BACKENDS]}")
+    rows = []
+    with tqdm(total=len(cases) * len(backends), desc=desc) as bar:
+        for case in cases:
+            for b in backends:
+                bar.set_postfix_str(f"{case.name}: {b}")
+                rows += run_case(case, heads=heads, dim=dim, dtype=dtype, device=device, backends=[b],
+                                 check=False)
+                bar.update()
+    return rows

@@ -35,6 +35,7 @@ from .balance import (
 )
 from .bench import (
     add_speed_point,
+    draw_backend_times,
     draw_bench_summary,
     draw_sparse_bench,
     draw_speed_sweep,
@@ -97,6 +98,7 @@ __all__ = [
     "add_speed_point",
     "bfs_nodes",
     "draw_attention_maps",
+    "draw_backend_times",
     "draw_balance_sweep",
     "draw_bench_summary",
     "draw_dfs_step",

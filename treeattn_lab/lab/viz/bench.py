@@ -2,6 +2,8 @@
 
 - :func:`load_bench_results`: the newest committed result file of a bench on a device.
 - :func:`draw_bench_summary`: ``bench tree``: fwd+bwd speed-up over flat SDPA and forward TFLOP/s.
+- :func:`draw_backend_times`: ``bench tree`` backends side by side: median ms and useful TFLOP/s, forward
+  and forward+backward.
 - :func:`draw_speed_sweep` / :func:`add_speed_point`: an empty latency / TFLOP/s figure filled point by
   point while a sweep runs.
 - :func:`draw_train_bench`: ``bench train``: throughput and peak memory per engine mode and data set.
@@ -15,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import BACKEND_COLORS, MODE_COLORS, labelled_bar
+from .style import BACKEND_COLORS, MODE_COLORS, PALETTE, labelled_bar
 
 
 def load_bench_results(bench: str = "tree", device: str = "NVIDIA-H200", directory=None) -> dict:
@@ -301,8 +303,76 @@ def draw_sparse_bench(rows: Sequence[Mapping], *, title: str | None = None) -> g
     return fig
 
 
+BACKEND_PANELS = (
+    ("fwd_ms", "forward: median ms (lower is better)", "ms"),
+    ("fwd_bwd_ms", "forward + backward: median ms", "ms"),
+    ("fwd_tflops", "forward: useful TFLOP/s (higher is better)", "TFLOP/s"),
+    ("fwd_bwd_tflops", "forward + backward: useful TFLOP/s", "TFLOP/s"),
+)
+
+
+def _backend_colors(backends: Sequence[str]) -> dict[str, str]:
+    """Each backend's colour: its :data:`BACKEND_COLORS` entry, else the next spare palette colour (the
+    same in every panel of one figure)."""
+    spare = iter(c for c in PALETTE[3:] if c not in BACKEND_COLORS.values())
+    return {b: BACKEND_COLORS.get(b) or next(spare) for b in backends}
+
+
+def draw_backend_times(
+    rows: Sequence[Mapping],
+    *,
+    backends: Sequence[str] | None = None,
+    cases: Sequence[str] | None = None,
+    title: str | None = None,
+) -> go.Figure:
+    """``bench tree`` rows of several backends side by side, one group of bars per case, in four panels:
+    median time (top) and useful TFLOP/s (bottom, attended pairs only), forward (left) and forward +
+    backward (right).
+
+    ``backends`` / ``cases``: which to draw, in that order (default: all the rows hold, in row order); each
+    must have rows. A backend with no row for one of the cases leaves a gap there."""
+    if not rows:
+        raise ValueError("rows is empty")
+    chosen = {}
+    for what, asked in (("backend", backends), ("case", cases)):
+        present = list(dict.fromkeys(r[what] for r in rows))
+        chosen[what] = present if asked is None else list(asked)
+        missing = [x for x in chosen[what] if x not in present]
+        if not chosen[what] or missing:
+            raise ValueError(f"no rows for {what}s {missing or chosen[what]}; the rows hold {present}")
+    by = {(r["case"], r["backend"]): r for r in rows}
+    colors = _backend_colors(chosen["backend"])
+    fig = make_subplots(rows=2, cols=2, shared_xaxes=True, vertical_spacing=0.09, horizontal_spacing=0.09,
+                        subplot_titles=[label for _, label, _ in BACKEND_PANELS])
+    for i, (metric, _, unit) in enumerate(BACKEND_PANELS):
+        for b in chosen["backend"]:
+            fig.add_trace(
+                go.Bar(
+                    x=chosen["case"],
+                    y=[by.get((c, b), {}).get(metric) for c in chosen["case"]],
+                    name=b,
+                    legendgroup=b,
+                    showlegend=i == 0,
+                    marker_color=colors[b],
+                    hovertemplate=f"{b}<br>%{{x}}: %{{y:.3g}} {unit}<extra></extra>",
+                ),
+                row=1 + i // 2,
+                col=1 + i % 2,
+            )
+    below_case_labels = dict(orientation="h", x=0, y=-0.2, yanchor="top")
+    fig.update_layout(title=dict(text=title or "Tree attention backends side by side"), barmode="group",
+                      template="plotly_white", height=760, margin=dict(l=60, r=20, t=90, b=40),
+                      legend=below_case_labels)
+    for col in (1, 2):
+        fig.update_yaxes(title="ms", rangemode="tozero", row=1, col=col)
+        fig.update_yaxes(title="TFLOP/s", rangemode="tozero", row=2, col=col)
+    fig.update_xaxes(tickangle=-20, row=2)
+    return fig
+
+
 __all__ = [
     "add_speed_point",
+    "draw_backend_times",
     "draw_bench_summary",
     "draw_sparse_bench",
     "draw_speed_sweep",
