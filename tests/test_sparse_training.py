@@ -1,0 +1,202 @@
+"""The sparse-training experiment: the passkey probe, equal-FLOP window sizing, targets, tiny mode end to
+end through the command line, and the merge of per-seed runs."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from treeattn_lab.corpus import decode, load_corpus
+from treeattn_lab.experiments import passkey, sparse_training
+from treeattn_lab.experiments.sparse_training import MODES, VARIANTS, merge_results, targets, window_pattern
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.37, 0.5, 0.9, 1.0])
+def test_the_needle_sits_where_the_depth_says_and_the_answer_ends_the_sample(depth):
+    filler = load_corpus("validation")[1000:1513]
+    key = "90417"
+    tokens, start = passkey.passkey_sample(filler, key, depth)
+    needle, question = passkey.needle_text(key).encode(), passkey.question_text(key).encode()
+    room = filler.numel() - len(needle) - len(question)
+    assert tokens.numel() == filler.numel()
+    assert start == round(depth * room)
+    assert bytes(tokens[start:start + len(needle)].tolist()) == needle
+    assert bytes(tokens[-len(question):].tolist()) == question
+    assert decode(tokens[-len(key):]) == key
+    assert torch.equal(tokens[:start], filler[:start])  # the text before the needle is untouched
+    assert torch.equal(tokens[start + len(needle):-len(question)], filler[start:room])
+
+
+def test_probe_samples_that_do_not_fit_or_bad_depths_are_refused():
+    with pytest.raises(ValueError, match="cannot hold"):
+        passkey.passkey_sample(load_corpus("validation")[:40], "123", 0.5)
+    with pytest.raises(ValueError, match="depth"):
+        passkey.passkey_sample(load_corpus("validation")[:400], "123", 1.5)
+
+
+def test_training_batches_are_seeded_and_mark_the_answer_digits():
+    train = load_corpus("train")
+
+    def batch(seed, share):
+        generator = torch.Generator().manual_seed(seed)
+        return passkey.passkey_batch(train, 6, 200, generator, share=share, digits=4)
+
+    a, b = batch(3, 0.5), batch(3, 0.5)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    inputs, targets_, answer = a
+    assert inputs.shape == targets_.shape == answer.shape == (6, 200)
+    assert torch.equal(inputs[:, 1:], targets_[:, :-1])
+    with_key = answer.any(1)
+    assert 0 < int(with_key.sum()) < 6, "share 0.5 of 6 rows should mix both kinds (this seed)"
+    for row in with_key.nonzero().flatten().tolist():
+        assert answer[row].sum() == 4 and answer[row, -4:].all()
+        digits = decode(targets_[row, answer[row]])
+        assert digits.isdigit()
+        assert f"The pass key is {digits}. Remember it." in decode(inputs[row])
+    assert not batch(3, 0.0)[2].any() and batch(3, 1.0)[2][:, -4:].all()
+
+
+def test_scores_are_greedy_exact_match_and_per_digit_accuracy():
+    samples = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3]])
+    logits = torch.zeros(2, 3, 10)
+    logits[0, torch.arange(3), torch.tensor([1, 2, 3])] = 1.0  # row 0 predicts every next token
+    logits[1, torch.arange(3), torch.tensor([1, 2, 9])] = 1.0  # row 1 gets the last digit wrong
+    exact, digit = passkey.passkey_scores(logits, samples, digits=2)
+    assert exact.tolist() == [True, False]
+    assert digit.tolist() == [1.0, 0.5]
+
+
+# ---------------------------------------------------------------------------------------------- window sizing
+@pytest.mark.parametrize(("heads", "n", "block", "fraction"),
+                         [(4, 1024, 32, 0.3), (2, 500, 16, 0.12), (3, 4096, 128, 0.456),
+                          (4, 32768, 128, 0.09)])
+def test_window_matches_the_pair_fraction_to_one_block_diagonal_of_one_head(heads, n, block, fraction):
+    pattern = window_pattern(heads, n, fraction, sinks=4, block_size=block)
+    causal = heads * n * (n + 1) / 2
+    one_diagonal = n * block / causal  # the most one block diagonal of one head can add
+    assert abs(pattern.density(n) - fraction) <= one_diagonal
+    widths = pattern.block_map(n).sum(2)[:, -1]  # block diagonals each head's last query block sees
+    assert int(widths.max() - widths.min()) <= 1
+    if n <= 1024:  # the kernel's pairs, from the dense mask: the sinks and a band of whole tiles
+        mask = pattern.dense_mask(n)
+        pos = torch.arange(n)
+        qb, kb = pos[:, None] // block, pos[None, :] // block
+        for h in range(heads):
+            band = (qb - kb < int(widths[h])) & (pos[None, :] <= pos[:, None])
+            sinks = (pos[None, :] < 4) & (pos[None, :] <= pos[:, None])
+            assert torch.equal(mask[h], band | sinks)
+
+
+def test_window_at_fraction_one_is_dense_and_bad_fractions_are_refused():
+    assert window_pattern(2, 300, 1.0, sinks=4, block_size=16).density(300) == 1.0
+    for bad in (0.0, -0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="fraction"):
+            window_pattern(2, 300, bad, sinks=4, block_size=16)
+
+
+# ---------------------------------------------------------------------------------------------- targets
+def _summary(dense_loss=2.0, sparse_loss=2.02, window_loss=2.1, retrieval=(0.9, 0.88, 0.3),
+             ms=(10.0, 3.0, 2.9), estimate_ms=1.0):
+    rows = []
+    for variant, loss, found, t in zip(VARIANTS, (dense_loss, sparse_loss, window_loss), retrieval, ms,
+                                       strict=True):
+        extra = estimate_ms if variant == "sparse" else 0.0
+        rows.append({"variant": variant, "val_loss": loss, "retrieval_mean": found, "kernel_ms": t,
+                     "attention_ms": t + extra})
+    return rows
+
+
+def test_targets_are_computed_from_the_numbers():
+    t = targets(_summary())
+    assert t["sparse_loss_within_2pct_of_dense"]["value"] == pytest.approx(0.01)
+    assert t["sparse_loss_within_2pct_of_dense"]["met"]
+    assert t["sparse_retrieval_within_5pts_of_dense"]["met"]
+    assert t["sparse_retrieval_above_window"]["value"] == pytest.approx(0.58)
+    assert t["attention_fwd_bwd_speedup"]["value"] == pytest.approx(10 / 3)
+    assert t["attention_fwd_bwd_speedup"]["met"]
+    assert t["attention_fwd_bwd_speedup_with_estimation"]["value"] == pytest.approx(2.5)
+    missed = targets(_summary(sparse_loss=2.05, retrieval=(0.9, 0.8, 0.75), ms=(10.0, 5.0, 5.0)))
+    assert not any(missed[name]["met"] for name in missed)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """Tiny mode through the command line, seed 0 and seed 1 as two runs, then merged."""
+    out = tmp_path_factory.mktemp("sparse_training")
+    paths = []
+    for seed in (0, 1):
+        folder = out / f"seed{seed}"
+        assert sparse_training.main(["--mode", "tiny", "--seeds", str(seed), "--no-progress", "--out",
+                                     str(folder)]) == 0
+        (path,) = folder.glob("sparse-training-tiny__*.json")
+        paths.append(path)
+    merged_dir = out / "merged"
+    merge = ["--mode", "tiny", "--merge", *map(str, paths), "--out", str(merged_dir)]
+    assert sparse_training.main(merge) == 0
+    (merged,) = merged_dir.glob("sparse-training-tiny__*.json")
+    return [json.loads(p.read_text()) for p in paths], json.loads(merged.read_text())
+
+
+def test_tiny_mode_writes_every_measurement(tiny_runs):
+    (run, _), _ = tiny_runs
+    cfg = MODES["tiny"]
+    assert run["config"]["seeds"] == [0]
+    assert [r["variant"] for r in run["rows"]] == list(VARIANTS)
+    for row in run["rows"]:
+        assert set(row["retrieval"]) == {str(d) for d in cfg.depths} == set(row["retrieval_digits"])
+        assert all(0.0 <= x <= 1.0 for x in [*row["retrieval"].values(), *row["retrieval_digits"].values()])
+        assert math.isfinite(row["val_loss"]) and 0 < row["val_loss"] < 8
+        assert math.isfinite(row["val_loss_dense_eval"])
+        for key in ("attention_ms", "kernel_ms", "step_ms"):
+            assert row[key] > 0
+        assert row["estimate_ms"] >= 0
+    by = {r["variant"]: r for r in run["rows"]}
+    assert by["dense"]["pair_fraction"] == 1.0
+    assert by["dense"]["val_loss"] == by["dense"]["val_loss_dense_eval"]
+    assert 0 < by["sparse"]["pair_fraction"] < 1
+    one_diagonal = cfg.seq_len * cfg.block_size / (cfg.model.n_heads * cfg.seq_len * (cfg.seq_len + 1) / 2)
+    assert abs(by["window"]["pair_fraction"] - by["sparse"]["pair_fraction"]) <= one_diagonal
+    for name, t in run["targets"].items():
+        assert isinstance(t["met"], bool) and math.isfinite(t["value"]), name
+    for variant in ("pretrain", *VARIANTS):
+        history = run["histories"][f"{variant}/seed0"]
+        steps = cfg.short_steps if variant == "pretrain" else cfg.steps
+        assert len(history["loss"]) == len(history["step_ms"]) == steps
+    assert run["histories"]["pretrain/seed0"]["loss"][-1] < run["histories"]["pretrain/seed0"]["loss"][0]
+    assert run["environment"]["device"] and run["bench"] == "sparse-training-tiny"
+
+
+def test_the_three_variants_start_from_one_checkpoint_on_identical_batches(tiny_runs):
+    (run, _), _ = tiny_runs
+    first = {v: run["histories"][f"{v}/seed0"]["loss"][0] for v in VARIANTS}
+    # one checkpoint and one batch: the first losses differ only by the attention each variant uses
+    assert max(first.values()) - min(first.values()) < 0.05 * first["dense"]
+
+
+def test_merged_runs_hold_both_seeds_and_recomputed_means(tiny_runs):
+    (a, b), merged = tiny_runs
+    assert merged["config"]["seeds"] == [0, 1]
+    assert len(merged["rows"]) == 6 and {r["seed"] for r in merged["rows"]} == {0, 1}
+    assert set(merged["histories"]) == set(a["histories"]) | set(b["histories"])
+    assert merged["environment"] == a["environment"]
+    for s in merged["summary"]:
+        mine = [r for r in a["rows"] + b["rows"] if r["variant"] == s["variant"]]
+        assert s["seeds"] == 2
+        assert s["val_loss"] == pytest.approx(sum(r["val_loss"] for r in mine) / 2)
+        for depth, value in s["retrieval"].items():
+            assert value == pytest.approx(sum(r["retrieval"][depth] for r in mine) / 2)
+    assert merged["targets"] == targets(merged["summary"])
+
+
+def test_merge_refuses_repeated_seeds_and_other_configurations(tiny_runs):
+    (a, b), _ = tiny_runs
+    with pytest.raises(ValueError, match="repeat a seed"):
+        merge_results([a, a])
+    other = {**b, "config": {**b["config"], "steps": b["config"]["steps"] + 1}}
+    with pytest.raises(ValueError, match="one configuration"):
+        merge_results([a, other])
+    with pytest.raises(ValueError, match="at least one"):
+        merge_results([])

@@ -1,0 +1,478 @@
+"""Train with dynamic sparse attention: does a model keep its loss and its long-range retrieval?
+
+The claim (MTraining, arXiv 2510.18830): extending a model to long context with dynamic vertical-slash
+sparse attention keeps its quality. Protocol, per seed, on the bundled byte-level corpus
+(:mod:`treeattn_lab.corpus`) with passkey samples mixed in (:mod:`.passkey`):
+
+1. **Short context**: a :class:`~treeattn_lab.reference.TinyLM` trains densely on ``short_len``-byte
+   windows, a share ``passkey_share`` of them passkey samples (the needle at a random depth, the answer at
+   the end). The loss is the next-byte loss plus the mean loss of the answer's digits.
+2. **Extension**: from that one checkpoint three copies train ``steps`` steps at ``seq_len`` on identical
+   batches, with
+   - ``dense``: causal attention;
+   - ``sparse``: :class:`~treeattn_lab.ops.dynamic_sparse.DynamicSparseAttention` (every layer estimates
+     every sequence's pattern from its last queries, then the block-sparse kernel runs forward and back);
+   - ``window``: a fixed sliding window with the sparse run's sinks, as wide as the computed-pair share
+     the sparse run measured (:func:`window_pattern`): the same attention work, no dynamic lines.
+3. **Evaluation**, each model with the attention it trained with (and, for reference, with dense
+   attention): validation loss (nats per byte on the validation split); passkey retrieval at each depth
+   of ``depths`` (exact match of the greedy digits, and the share of right digits); attention forward +
+   backward per training step at ``seq_len`` (the kernel, and the estimation on top for ``sparse``);
+   median step time; the computed-pair share.
+
+Targets (evaluated from the numbers, never assumed): sparse validation loss within 2% of dense; sparse
+retrieval within 5 points of dense; sparse at least 10 points above the window; sparse attention forward
++ backward at least 2.5x faster than dense.
+
+Modes: ``tiny`` (the test and notebook 05, well under a minute on a CPU), ``quick`` (minutes on a
+CPU), ``smoke`` (the full mode's model and kernels on a GPU at 4K tokens, a few steps), ``full`` (one
+H200: bf16 autocast, 32K tokens). Seeds are independent: run them in one process or one process each
+and join the JSON files with ``--merge``.
+
+    python -m treeattn_lab.experiments.sparse_training --mode full --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..corpus import VOCAB_SIZE, _adamw, _lr_factor, causal_sdpa, evaluate_loss, load_corpus
+from ..ops.dynamic_sparse import DynamicSparseAttention, SparseBudget, fixed_pattern_attention
+from ..ops.sparse import sparse_attention
+from ..patterns.vertical_slash import VerticalSlashPattern
+from ..reference import TinyLM, TinyLMConfig
+from .passkey import passkey_batch, passkey_scores, probe_set
+
+BENCH_NAME = "sparse-training"
+VARIANTS = ("dense", "sparse", "window")
+TARGETS = {"loss_gap": 0.02, "retrieval_gap": 0.05, "retrieval_margin": 0.10, "attention_speedup": 2.5}
+
+
+def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, rope_theta: float = 10000.0
+            ) -> TinyLMConfig:
+    """A byte-level TinyLM's configuration."""
+    return TinyLMConfig(vocab_size=VOCAB_SIZE, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                        n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, rope_theta=rope_theta)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    model: TinyLMConfig = field(default_factory=lambda: byte_lm(64, 2, 4, 2, 172))
+    short_len: int = 256  # dense pretraining context
+    short_steps: int = 300
+    short_batch: int = 16
+    seq_len: int = 1024  # the long context all three variants train at
+    steps: int = 60
+    batch_size: int = 4
+    lr: float = 3e-3
+    extend_lr: float = 1e-3
+    n_vertical: int = 48  # the sparse budget per head (SparseBudget)
+    n_slash: int = 96
+    sinks: int = 8
+    local: int = 64
+    last_q: int = 64
+    block_size: int = 32
+    passkey_share: float = 0.5  # of the training samples
+    digits: int = 4
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    probes_per_depth: int = 8
+    eval_windows: int = 16  # validation windows of seq_len bytes
+    timing_reps: int = 3
+    bf16: bool = False  # autocast to bf16 on CUDA
+    seeds: tuple[int, ...] = (0,)
+
+    def budget(self) -> SparseBudget:
+        return SparseBudget(self.n_vertical, self.n_slash, sinks=self.sinks, local=self.local,
+                            last_q=self.last_q, block_size=self.block_size)
+
+
+_FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0), short_len=4096,
+                         short_steps=800, short_batch=8, seq_len=32768, steps=300, batch_size=1,
+                         n_vertical=512, n_slash=960, sinks=64, local=896, block_size=128, digits=5,
+                         probes_per_depth=8, eval_windows=4, timing_reps=10, bf16=True)
+MODES = {
+    "tiny": ExperimentConfig(model=byte_lm(32, 2, 2, 1, 64), short_len=128, short_steps=30, short_batch=8,
+                             seq_len=256, steps=8, batch_size=2, n_vertical=16, n_slash=24, sinks=4, local=16,
+                             last_q=16, block_size=16, digits=3, depths=(0.2, 0.5, 0.8), probes_per_depth=2,
+                             eval_windows=2, timing_reps=1),
+    "quick": ExperimentConfig(),
+    "smoke": replace(_FULL, short_len=1024, short_steps=10, short_batch=2, seq_len=4096, steps=5,
+                     n_vertical=128, n_slash=288, sinks=16, local=256, depths=(0.5,), probes_per_depth=1,
+                     eval_windows=1, timing_reps=2),
+    "full": _FULL,
+}
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def window_pattern(num_heads: int, num_tokens: int, fraction: float, *, sinks: int, block_size: int,
+                   device="cpu") -> VerticalSlashPattern:
+    """A sliding window computing about ``fraction`` of the causal pairs: per head the first ``sinks``
+    columns and a band of whole tiles along the diagonal (``w`` block diagonals: query block ``i`` sees
+    key blocks ``i - w + 1 .. i``). Heads get ``w`` or ``w + 1`` block diagonals so that the total is the
+    closest to ``fraction`` the tiles allow (within one block diagonal of one head)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+    nb = -(-num_tokens // block_size)
+    sink_cols = torch.arange(min(sinks, num_tokens)).expand(num_heads, -1)
+
+    def band(width: int) -> torch.Tensor:  # offsets crossing exactly the block diagonals 0 .. width - 1
+        return torch.arange((width - 1) * block_size + 1).clamp(max=num_tokens - 1)
+
+    def pairs(width: int) -> int:
+        return VerticalSlashPattern(sink_cols[:1], band(width)[None], block_size).num_pairs(num_tokens)
+
+    target = fraction * num_heads * num_tokens * (num_tokens + 1) / 2
+    width = 1
+    while width < nb and pairs(width + 1) * num_heads <= target:
+        width += 1
+    wider = 0
+    if width < nb:
+        step = pairs(width + 1) - pairs(width)
+        wider = max(0, min(num_heads, round((target - pairs(width) * num_heads) / step)))
+    widths = [width + 1] * wider + [width] * (num_heads - wider)
+    slash = torch.full((num_heads, len(band(max(widths)))), -1, dtype=torch.int64)
+    for h, w in enumerate(widths):
+        offsets = band(w)
+        slash[h, : offsets.numel()] = offsets
+    return VerticalSlashPattern(sink_cols.to(device), slash.to(device), block_size)
+
+
+def variant_attention(variant: str, cfg: ExperimentConfig, window: VerticalSlashPattern | None = None):
+    if variant == "dense":
+        return causal_sdpa
+    if variant == "sparse":
+        return DynamicSparseAttention(cfg.budget())
+    if window is None:
+        raise ValueError("the window variant needs its pattern (window_pattern)")
+    return fixed_pattern_attention(window)
+
+
+# ---------------------------------------------------------------------------------------------- training
+def _autocast(device: torch.device, cfg: ExperimentConfig):
+    if cfg.bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _losses(model, inputs, targets, answer, attention):
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    logits = model(inputs, positions, attention).float()
+    token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    key_loss = token_loss[answer].mean() if bool(answer.any()) else token_loss.new_zeros(())
+    return token_loss.mean(), key_loss
+
+
+def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps: int, batch_size: int,
+                lr: float, seed: int, desc: str, progress: bool = True) -> dict[str, list]:
+    """``steps`` AdamW steps of next-byte loss + answer-digit loss on passkey-mixed batches drawn from
+    ``seed`` (the same batches for every model given the same seed); returns the per-step history."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    train = load_corpus("train").to(device)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = _adamw(model, lr, 0.1)
+    warmup = min(100, steps // 10)
+    history: dict[str, list] = {"loss": [], "lm_loss": [], "key_loss": [], "step_ms": []}
+    model.train()
+    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr * _lr_factor(step, steps, warmup, 0.1)
+        inputs, targets, answer = passkey_batch(train, batch_size, seq_len, generator,
+                                                share=cfg.passkey_share, digits=cfg.digits)
+        _sync(device)
+        start = time.perf_counter()
+        with _autocast(device, cfg):
+            lm_loss, key_loss = _losses(model, inputs, targets, answer, attention)
+        loss = lm_loss + key_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        _sync(device)
+        history["step_ms"].append((time.perf_counter() - start) * 1e3)
+        for key, value in (("loss", loss), ("lm_loss", lm_loss), ("key_loss", key_loss)):
+            history[key].append(float(value.detach()))
+        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}")
+    return history
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def retrieval(model, attention, probes: dict[float, torch.Tensor], cfg: ExperimentConfig) -> dict[str, dict]:
+    """``{"exact": {depth: share}, "digits": {depth: share}}`` over the probes (keys are depth strings)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    exact, digits = {}, {}
+    try:
+        for depth, samples in probes.items():
+            hits, right = [], []
+            for row in samples:  # one sample at a time: a 32K-token batch of logits is large
+                inputs = row[None, :-1]
+                with _autocast(device, cfg):
+                    logits = model(inputs, torch.arange(inputs.shape[1], device=device)[None], attention)
+                e, d = passkey_scores(logits.float(), row[None], cfg.digits)
+                hits.append(float(e[0]))
+                right.append(float(d[0]))
+            exact[str(depth)], digits[str(depth)] = statistics.mean(hits), statistics.mean(right)
+    finally:
+        model.train(was_training)
+    return {"exact": exact, "digits": digits}
+
+
+def _capture(model, inputs, attention, cfg) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer ``(q, k, v)`` of one forward over ``inputs`` with ``attention``."""
+    captured = []
+
+    def recording(q, k, v):
+        captured.append((q.detach(), k.detach(), v.detach()))
+        return attention(q, k, v)
+
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    with torch.no_grad(), _autocast(inputs.device, cfg):
+        model(inputs, positions, recording)
+    return captured
+
+
+def _fwd_bwd_ms(layers, attentions, cfg, device) -> float:
+    """Median milliseconds of forward + backward of ``attentions[i]`` (one callable per layer) over every
+    layer's captured q, k, v."""
+    from ..bench.harness import time_ms
+
+    leaves = [tuple(x.clone().requires_grad_() for x in qkv) for qkv in layers]
+    grads = [torch.randn_like(q) for q, _, _ in leaves]
+
+    def step():
+        for (q, k, v), do, attention in zip(leaves, grads, attentions, strict=True):
+            attention(q, k, v).backward(do)
+
+    return time_ms(step, warmup=1, rep=cfg.timing_reps, device=device,
+                   grad_to_none=[x for qkv in leaves for x in qkv])
+
+
+def _under_patterns(patterns: list[VerticalSlashPattern]):
+    """Attention on ``[B, N, H, D]`` with ``patterns[b]`` for sequence ``b`` (their indexes cached)."""
+    def attention(q, k, v):
+        return torch.stack([sparse_attention(q[b], k[b], v[b], p) for b, p in enumerate(patterns)])
+
+    return attention
+
+
+def attention_times(model, variant: str, attention, inputs, cfg: ExperimentConfig) -> dict[str, float]:
+    """Attention forward + backward per training step (``inputs``: one training batch): ``attention_ms``
+    as trained, ``kernel_ms`` under fixed patterns, and ``estimate_ms``, their difference (``sparse``)."""
+    device = inputs.device
+    layers = _capture(model, inputs, attention, cfg)
+    total = _fwd_bwd_ms(layers, [attention] * len(layers), cfg, device)
+    if variant != "sparse":
+        return {"attention_ms": total, "kernel_ms": total, "estimate_ms": 0.0}
+    fixed = [_under_patterns([attention.pattern_for(q[b], k[b]) for b in range(q.shape[0])])
+             for q, k, _ in layers]
+    kernel = _fwd_bwd_ms(layers, fixed, cfg, device)
+    return {"attention_ms": total, "kernel_ms": kernel, "estimate_ms": max(total - kernel, 0.0)}
+
+
+# ---------------------------------------------------------------------------------------------- one seed
+def _evaluate(model, variant, attention, cfg, probes, device) -> dict:
+    val = load_corpus("validation").to(device)
+    with _autocast(device, cfg):
+        own = evaluate_loss(model, val, attention=attention, seq_len=cfg.seq_len, batch_size=1,
+                            max_windows=cfg.eval_windows)
+        dense = own if variant == "dense" else evaluate_loss(model, val, seq_len=cfg.seq_len, batch_size=1,
+                                                             max_windows=cfg.eval_windows)
+    found = retrieval(model, attention, probes, cfg)
+    found_dense = found if variant == "dense" else retrieval(model, causal_sdpa, probes, cfg)
+    return {"val_loss": own, "val_loss_dense_eval": dense, "retrieval": found["exact"],
+            "retrieval_digits": found["digits"], "retrieval_mean": statistics.mean(found["exact"].values()),
+            "retrieval_dense_eval_mean": statistics.mean(found_dense["exact"].values())}
+
+
+def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) -> tuple[list[dict], dict]:
+    """The protocol for one seed: ``(rows, histories)``, one row per variant."""
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    base = TinyLM(cfg.model).to(device)
+    histories = {f"pretrain/seed{seed}": train_phase(
+        base, causal_sdpa, cfg, seq_len=cfg.short_len, steps=cfg.short_steps, batch_size=cfg.short_batch,
+        lr=cfg.lr, seed=seed, desc=f"seed {seed}: dense at {cfg.short_len}", progress=progress)}
+    val = load_corpus("validation").to(device)
+    probes = probe_set(val, cfg.depths, cfg.probes_per_depth, cfg.seq_len, cfg.digits, seed=10_000 + seed)
+    timing_generator = torch.Generator().manual_seed(20_000 + seed)
+    timing_batch = passkey_batch(load_corpus("train").to(device), cfg.batch_size, cfg.seq_len,
+                                 timing_generator, share=1.0, digits=cfg.digits)[0]
+    rows, window, sparse_fraction = [], None, None
+    for variant in VARIANTS:
+        phase_start = time.perf_counter()
+        if variant == "window":
+            window = window_pattern(cfg.model.n_heads, cfg.seq_len, sparse_fraction, sinks=cfg.sinks,
+                                    block_size=cfg.block_size, device=device)
+        attention = variant_attention(variant, cfg, window)
+        model = copy.deepcopy(base)
+        history = train_phase(model, attention, cfg, seq_len=cfg.seq_len, steps=cfg.steps,
+                              batch_size=cfg.batch_size, lr=cfg.extend_lr, seed=1_000 + seed,
+                              desc=f"seed {seed}: {variant} at {cfg.seq_len}", progress=progress)
+        histories[f"{variant}/seed{seed}"] = history
+        if variant == "sparse":
+            sparse_fraction = attention.stats.fraction
+        fraction = {"dense": 1.0, "sparse": sparse_fraction,
+                    "window": window.density(cfg.seq_len) if window is not None else None}[variant]
+        row = {"seed": seed, "variant": variant, "pair_fraction": fraction,
+               "step_ms": statistics.median(history["step_ms"][min(2, cfg.steps - 1):]),
+               "train_loss_last": history["loss"][-1]}
+        row.update(_evaluate(model, variant, attention, cfg, probes, device))
+        row.update(attention_times(model, variant, attention, timing_batch, cfg))
+        row["seconds"] = time.perf_counter() - phase_start
+        rows.append(row)
+        if progress:
+            print(f"seed {seed} {variant}: val loss {row['val_loss']:.3f}, "
+                  f"retrieval {row['retrieval_mean']:.2f}, attention {row['attention_ms']:.1f} ms, "
+                  f"pairs {fraction:.3f}, {row['seconds']:.0f} s", flush=True)
+    if progress:
+        print(f"seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
+    return rows, histories
+
+
+# ---------------------------------------------------------------------------------------------- summary
+SUMMED = ("val_loss", "val_loss_dense_eval", "retrieval_mean", "retrieval_dense_eval_mean", "attention_ms",
+          "kernel_ms", "estimate_ms", "step_ms", "pair_fraction")
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per variant, the mean over seeds of every measured number (retrieval per depth included)."""
+    out = []
+    for variant in VARIANTS:
+        mine = [r for r in rows if r["variant"] == variant]
+        if not mine:
+            continue
+        row = {"variant": variant, "seeds": len(mine)}
+        row.update({key: statistics.mean(r[key] for r in mine) for key in SUMMED})
+        for key in ("retrieval", "retrieval_digits"):
+            row[key] = {d: statistics.mean(r[key][d] for r in mine) for d in mine[0][key]}
+        out.append(row)
+    return out
+
+
+def targets(summary: list[dict]) -> dict[str, dict]:
+    """Each target of the protocol with its number, its threshold and whether it is met."""
+    by = {s["variant"]: s for s in summary}
+    dense, sparse, window = by["dense"], by["sparse"], by["window"]
+    loss_gap = sparse["val_loss"] / dense["val_loss"] - 1
+    retrieval_gap = dense["retrieval_mean"] - sparse["retrieval_mean"]
+    margin = sparse["retrieval_mean"] - window["retrieval_mean"]
+    speedup = dense["attention_ms"] / sparse["kernel_ms"]
+    with_estimate = dense["attention_ms"] / sparse["attention_ms"]
+    t = TARGETS
+    return {
+        "sparse_loss_within_2pct_of_dense": {"value": loss_gap, "max": t["loss_gap"],
+                                             "met": loss_gap <= t["loss_gap"]},
+        "sparse_retrieval_within_5pts_of_dense": {"value": retrieval_gap, "max": t["retrieval_gap"],
+                                                  "met": retrieval_gap <= t["retrieval_gap"]},
+        "sparse_retrieval_above_window": {"value": margin, "min": t["retrieval_margin"],
+                                          "met": margin >= t["retrieval_margin"]},
+        "attention_fwd_bwd_speedup": {"value": speedup, "min": t["attention_speedup"],
+                                      "met": speedup >= t["attention_speedup"]},
+        "attention_fwd_bwd_speedup_with_estimation": {"value": with_estimate, "min": t["attention_speedup"],
+                                                      "met": with_estimate >= t["attention_speedup"]},
+    }
+
+
+def _result(cfg_dict: dict, rows: list[dict], histories: dict, seconds: float, device: str) -> dict:
+    summary = summarize(rows)
+    return {"config": cfg_dict, "rows": rows, "summary": summary, "targets": targets(summary),
+            "histories": histories, "seconds": seconds, "device": device}
+
+
+def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True) -> dict:
+    """Every seed of ``cfg``, as ``{"config", "rows", "summary", "targets", "histories", "seconds",
+    "device"}``."""
+    cfg = MODES[cfg] if isinstance(cfg, str) else cfg
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    start = time.perf_counter()
+    rows, histories = [], {}
+    for seed in cfg.seeds:
+        seed_rows, seed_histories = run_seed(cfg, seed, device, progress)
+        rows += seed_rows
+        histories.update(seed_histories)
+    config = json.loads(json.dumps(asdict(cfg)))  # tuples as lists, as a saved result has them
+    return _result(config, rows, histories, time.perf_counter() - start, str(device))
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from runs of one configuration with different seeds (one process per seed)."""
+    if not results:
+        raise ValueError("merge_results needs at least one result")
+    setting = {k: v for k, v in results[0]["config"].items() if k != "seeds"}
+    for r in results[1:]:
+        if {k: v for k, v in r["config"].items() if k != "seeds"} != setting:
+            raise ValueError("results to merge must come from one configuration (apart from the seeds)")
+    seeds = sorted(s for r in results for s in r["config"]["seeds"])
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"results to merge repeat a seed: {seeds}")
+    rows = sorted((row for r in results for row in r["rows"]), key=lambda row: row["seed"])
+    histories = {k: v for r in results for k, v in r["histories"].items()}
+    return _result({**setting, "seeds": seeds}, rows, histories, sum(r["seconds"] for r in results),
+                   results[0]["device"])
+
+
+# ---------------------------------------------------------------------------------------------- command line
+COLUMNS = [("variant", "variant"), ("val_loss", "val loss"), ("retrieval_mean", "retrieval"),
+           ("pair_fraction", "pairs"), ("attention_ms", "attn ms"), ("kernel_ms", "kernel ms"),
+           ("step_ms", "step ms"), ("seeds", "seeds")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..bench.harness import add_out_argument, environment, print_table, write_results
+
+    parser = argparse.ArgumentParser(prog="python -m treeattn_lab.experiments.sparse_training",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=sorted(MODES), default="quick")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="e.g. --seeds 0 1 2")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="join saved runs of this mode with different seeds; trains nothing")
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
+    cfg = MODES[args.mode]
+    if args.seeds:
+        cfg = replace(cfg, seeds=tuple(args.seeds))
+    if args.merge:
+        saved = [json.loads(Path(f).read_text()) for f in args.merge]
+        mode = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "seeds"}
+        if any({k: v for k, v in s["config"].items() if k != "seeds"} != mode for s in saved):
+            parser.error(f"the results to merge were not all run in --mode {args.mode}")
+        result, env = merge_results(saved), saved[0]["environment"]  # where they ran, not here
+    else:
+        result, env = run_experiment(cfg, device=args.device, progress=not args.no_progress), environment()
+    print_table(f"Training with dynamic sparse attention ({args.mode}, {result['device']}, "
+                f"{result['seconds']:.0f} s)", COLUMNS, result["summary"])
+    for name, t in result["targets"].items():
+        print(f"{name}: {t['value']:.3f} ({'met' if t['met'] else 'missed'})")
+    path = write_results(f"{BENCH_NAME}-{args.mode}", result["rows"], env,
+                         directory=Path(args.out) if args.out else None,
+                         extra={k: v for k, v in result.items() if k != "rows"})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Dynamic sparse attention: estimate a vertical-slash pattern on every call, then attend sparsely.
+
+This is the attention MInference runs at inference and MTraining trains with. On every call (every layer
+of every step) and for every sequence of the batch:
+
+1. **estimate** the pattern per head from the last ``last_q`` queries
+   (:func:`~treeattn_lab.patterns.vertical_slash.estimate`): the ``n_vertical`` key columns and
+   ``n_slash`` diagonals with the most attention from those queries, always with the first ``sinks``
+   columns and the first ``local`` diagonals. The estimate runs without gradient and in float32: the
+   pattern is a discrete choice, so the gradient of the whole call is exactly the gradient of sparse
+   attention under the chosen pattern;
+2. **attend** with :func:`~treeattn_lab.ops.sparse.sparse_attention` under that pattern, forward and
+   backward (the block-sparse Triton kernel on CUDA, the reference elsewhere).
+
+:class:`DynamicSparseAttention` is an ``attention(q, k, v)`` callable on ``[B, N, H, D]`` or ``[N, H, D]``
+tensors, so it drops into :class:`~treeattn_lab.reference.TinyLM` (``model(ids, pos, attention)``). Its
+:attr:`~DynamicSparseAttention.stats` count the (query, key) pairs it computed (block rounding included)
+against dense causal attention: the share an equal-cost baseline must match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..checks import check_int
+from ..patterns.vertical_slash import VerticalSlashPattern, estimate
+from .sparse import sparse_attention
+
+
+@dataclass(frozen=True)
+class SparseBudget:
+    """Lines kept per head: ``n_vertical`` columns (the first ``sinks`` always among them) and ``n_slash``
+    diagonals (the first ``local`` always among them), estimated from the last ``last_q`` queries, rounded
+    to ``block_size`` tiles by the kernel (128 on a GPU)."""
+
+    n_vertical: int
+    n_slash: int
+    sinks: int = 64
+    local: int = 1024
+    last_q: int = 64
+    block_size: int = 128
+
+    def __post_init__(self):
+        for name in ("n_vertical", "n_slash", "sinks", "local"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_int("last_q", self.last_q)
+        check_int("block_size", self.block_size, minimum=16)
+        if self.n_slash < 1:
+            raise ValueError("n_slash must be at least 1: every query needs its own diagonal (offset 0)")
+        if self.sinks > self.n_vertical:
+            raise ValueError(f"sinks ({self.sinks}) exceed the column budget n_vertical ({self.n_vertical})")
+        if self.local > self.n_slash:
+            raise ValueError(f"local ({self.local}) exceeds the diagonal budget n_slash ({self.n_slash})")
+
+
+@dataclass
+class PairStats:
+    """Pairs computed by the calls since the last :meth:`reset`, against dense causal attention's."""
+
+    calls: int = 0
+    computed_pairs: int = 0
+    causal_pairs: int = 0
+
+    @property
+    def fraction(self) -> float:
+        """Computed pairs over causal pairs (0.0 before the first call)."""
+        return self.computed_pairs / self.causal_pairs if self.causal_pairs else 0.0
+
+    def record(self, pattern: VerticalSlashPattern, num_tokens: int) -> None:
+        self.calls += 1
+        self.computed_pairs += pattern.num_pairs(num_tokens)
+        self.causal_pairs += pattern.num_heads * num_tokens * (num_tokens + 1) // 2
+
+    def reset(self) -> None:
+        self.calls = self.computed_pairs = self.causal_pairs = 0
+
+
+def per_sequence(attention: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``attention`` (on one sequence ``[N, H, D]``) applied to ``[B, N, H, D]`` row by row, or to a
+    single ``[N, H, D]`` sequence directly."""
+    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
+        raise TypeError("q, k, v must be torch.Tensors")
+    if q.dim() == 3:
+        return attention(q, k, v)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, N, H, D] or [N, H, D], got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k, v batch sizes disagree: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    return torch.stack([attention(q[b], k[b], v[b]) for b in range(q.shape[0])])
+
+
+class DynamicSparseAttention:
+    """``attention(q, k, v)`` that estimates each sequence's vertical-slash pattern from its last queries
+    (``budget``, a :class:`SparseBudget`) and runs :func:`sparse_attention` under it (``backend`` as there).
+
+    ``q [B, N, Hq, D]`` or ``[N, Hq, D]``, ``k, v`` with ``Hkv`` heads (grouped-query attention). Budgets
+    larger than ``N`` are clipped, so a budget covering every line is dense causal attention.
+    """
+
+    def __init__(self, budget: SparseBudget, *, backend: str = "auto"):
+        if not isinstance(budget, SparseBudget):
+            raise TypeError(f"budget must be a SparseBudget, got {type(budget).__name__}")
+        self.budget = budget
+        self.backend = backend
+        self.stats = PairStats()
+
+    def __repr__(self) -> str:
+        return f"DynamicSparseAttention({self.budget}, backend={self.backend!r})"
+
+    def pattern_for(self, q: torch.Tensor, k: torch.Tensor) -> VerticalSlashPattern:
+        """The pattern of one sequence ``q [N, Hq, D]``, ``k [N, Hkv, D]``: no gradient, float32, and
+        outside any autocast region (autocast would run the scores in bf16)."""
+        b = self.budget
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            return estimate(q.detach().float(), k.detach().float(), last_q=b.last_q, n_vertical=b.n_vertical,
+                            n_slash=b.n_slash, sinks=b.sinks, local=b.local, block_size=b.block_size)
+
+    def _one(self, q, k, v):
+        pattern = self.pattern_for(q, k)
+        self.stats.record(pattern, q.shape[0])
+        return sparse_attention(q, k, v, pattern, backend=self.backend)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return per_sequence(self._one, q, k, v)
+
+
+def fixed_pattern_attention(pattern: VerticalSlashPattern, *, backend: str = "auto") -> Callable:
+    """``attention(q, k, v)`` on ``[B, N, H, D]`` or ``[N, H, D]`` under one fixed ``pattern`` for every
+    sequence (its kernel index is built once per token count and cached on the pattern)."""
+    if not isinstance(pattern, VerticalSlashPattern):
+        raise TypeError(f"pattern must be a VerticalSlashPattern, got {type(pattern).__name__}")
+
+    on_device = {pattern.device: pattern}  # one copy per device, so each keeps its cached index
+
+    def one(q, k, v):
+        if q.device not in on_device:
+            on_device[q.device] = pattern.to(q.device)
+        return sparse_attention(q, k, v, on_device[q.device], backend=backend)
+
+    def attention(q, k, v):
+        return per_sequence(one, q, k, v)
+
+    return attention
