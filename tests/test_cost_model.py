@@ -21,8 +21,9 @@ from treeattn_lab.distributed.balance import BEST, EngineCost, balance
 from treeattn_lab.distributed.probe import predicted_for_modes_run, refine_cost_model
 from treeattn_lab.engine import CostModel, MicroBatchShape, calibrate, calibration, plan_micro_batches
 from treeattn_lab.engine.calibration import calibration_tries
-from treeattn_lab.engine.cost_model import MAX_PLAUSIBLE_FLOPS, MODES, fit_time, model_work
+from treeattn_lab.engine.cost_model import MODES
 from treeattn_lab.engine.nnls import COND_LIMIT
+from treeattn_lab.engine.time_fit import MAX_PLAUSIBLE_FLOPS, fit_host_bound, fit_time, model_work
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
 # the FLOPs of the 0.49B model of `bench train` (model_work of its TinyLM)
@@ -140,6 +141,112 @@ def test_calibration_at_the_budget_predicts_budget_sized_micro_batches():
     assert small / truth - 1 < -0.25
 
 
+# a device whose calls cost max(host, device): host = eta . [1, calls], device = theta . TIME_FEATURES
+HOST_TRUTH = {"flat": [0.054, 0.0], "packed": [0.11, 0.0], "dfs": [0.07, 0.0]}
+DEVICE_TRUTH = {
+    "flat": [0.005, 1.2e-5, 5e-10, 0.002],
+    "packed": [0.01, 1.3e-5, 7e-10, 0.0],
+    "dfs": [0.02, 1.4e-5, 8e-10, 0.0005],
+}
+
+
+def max_time(shape: MicroBatchShape, mode: str, noise: float = 0.0, rng=None) -> float:
+    x = shape.time_features(mode)
+    device = sum(a * f for a, f in zip(DEVICE_TRUTH[mode], x, strict=True))
+    host = HOST_TRUTH[mode][0] + HOST_TRUTH[mode][1] * x[3]
+    return max(host, device) * (1.0 + noise * rng.uniform(-1.0, 1.0) if noise else 1.0)
+
+
+def max_samples(scale: int, noise: float = 0.0, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    shapes = [MicroBatchShape.of(t, 4096, scale) for _, t in calibration_tries(scale, vocab=32000, seed=0)]
+    return [
+        {
+            "mode": m,
+            "time_features": s.time_features(m),
+            "memory_features": s.memory_features(m),
+            "time_s": max_time(s, m, noise, rng),
+            "peak_bytes": None,
+        }
+        for s in shapes
+        for m in MODES
+    ]
+
+
+def rank_share_shapes(name: str, ranks: int, budget: int) -> list[MicroBatchShape]:
+    """The micro-batches every rank of a partition runs: most fill the budget, the last of each share not."""
+    report = balance(load_trie(name), ranks, BEST, token_budget=budget)
+    return [MicroBatchShape.of(mb.trie, 4096, budget) for s in report.shares for mb in s.micro_batches]
+
+
+def test_calibration_recovers_the_host_floor_of_max_host_device_timings():
+    fitted = CostModel.fit(max_samples(32768), work=WORK)
+    assert fitted.calibrated
+    for m in MODES:
+        assert fitted.fit_info[m]["host"] == "max" and fitted.fit_info[m]["host_bound"] >= 2, m
+        assert fitted.fit_info[m]["rel_rms_residual"] < 1e-9
+        assert fitted.fit_info[m]["linear_rel_rms_residual"] > 0.05  # no linear fit explains the floor
+        torch.testing.assert_close(
+            torch.tensor(fitted.time[m]), torch.tensor(DEVICE_TRUTH[m]), rtol=1e-6, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(fitted.host[m]), torch.tensor(HOST_TRUTH[m]), rtol=1e-6, atol=0
+        )
+    # the linear model of the same measurements under-predicts the small micro-batches of ranks' shares
+    linear = CostModel(
+        time={m: fit_time(*_rows(max_samples(32768), m), WORK)[0] for m in MODES}, calibrated=True
+    )
+    shapes = rank_share_shapes("grpo_math", 2, 32768) + rank_share_shapes("agentic", 4, 16384)
+    assert any(fitted.host_bound(s, "packed") for s in shapes) and not all(
+        fitted.host_bound(s, "packed") for s in shapes
+    )
+    for m in MODES:
+        truth = torch.tensor([max_time(s, m) for s in shapes])
+        err_max = (torch.tensor([fitted.predict(s, m)[0] for s in shapes]) / truth - 1).abs().max()
+        err_linear = (torch.tensor([linear.predict(s, m)[0] for s in shapes]) / truth - 1).abs().max()
+        assert err_max < 1e-6 and err_linear > 0.05, (m, float(err_max), float(err_linear))
+    again = CostModel.from_dict(json.loads(json.dumps(fitted.to_dict())))
+    assert again.host == fitted.host and again.predict(shapes[0], "dfs") == fitted.predict(shapes[0], "dfs")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noisy_max_host_device_timings_still_predict_better_than_linear(seed):
+    """3% timing noise: every prediction stays within a few noise widths, and on the packed micro-batches
+    of ranks' shares (two of them host-bound) the max fit errs far less than the linear one."""
+    samples = max_samples(32768, noise=0.03, seed=seed)
+    fitted = CostModel.fit(samples, work=WORK)
+    linear = CostModel(time={m: fit_time(*_rows(samples, m), WORK)[0] for m in MODES}, calibrated=True)
+    shapes = rank_share_shapes("grpo_math", 2, 32768) + rank_share_shapes("agentic", 4, 16384)
+    errors = {}
+    for m in MODES:
+        assert fitted.fit_info[m]["host"] == "max", m
+        truth = torch.tensor([max_time(s, m) for s in shapes])
+        for name, model in (("max", fitted), ("linear", linear)):
+            predicted = torch.tensor([model.predict(s, m)[0] for s in shapes])
+            errors[m, name] = float((predicted / truth - 1).abs().max())
+        assert errors[m, "max"] < 0.12, errors
+    assert errors["packed", "max"] < 0.05 and errors["packed", "linear"] > 0.2, errors
+
+
+def test_linear_timings_get_no_host_term():
+    A = random_features(9, seed=0)
+    truth = torch.tensor([0.02, 1.3e-5, 7e-10, 0.09], dtype=torch.float64)
+    theta, eta, info = fit_host_bound(A, A @ truth, WORK)
+    assert eta == [0.0, 0.0] and info["host"] == "none" and info["host_bound"] == 0
+    torch.testing.assert_close(torch.tensor(theta, dtype=torch.float64), truth, rtol=1e-6, atol=0)
+    # a prior or an older saved model has no host floor: its time is its device term
+    shape = small_shapes(1, seed=0)[0]
+    model = CostModel()
+    assert model.predict(shape, "packed")[0] == model.time_terms(shape, "packed")[1]
+    assert not model.host_bound(shape, "packed")
+
+
+def _rows(samples: list[dict], mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [s for s in samples if s["mode"] == mode]
+    A = torch.tensor([r["time_features"] for r in rows], dtype=torch.float64)
+    return A, torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
+
+
 def test_calibration_tries_reach_the_budget_with_rollouts_like_rl():
     scale = 32768
     tries = calibration_tries(scale, vocab=32000, seed=0)
@@ -248,9 +355,10 @@ def test_refine_pools_what_the_observations_cannot_separate():
 
 def test_old_files_without_fit_info_still_load():
     data = calibrated_model().to_dict()
-    del data["fit_info"], data["refinement"]
+    del data["fit_info"], data["refinement"], data["host"]
     model = CostModel.from_dict(data)
     assert model.fit_info == {} and model.refinement is None
+    assert model.host == {m: [0.0, 0.0] for m in MODES}  # no host floor: the device term alone
 
 
 @pytest.mark.parametrize(
@@ -386,7 +494,8 @@ def test_measured_peak_memory_is_fitted(fake_device):
 
 
 def test_a_calibration_cut_short_says_what_it_could_not_fit(fake_device, tmp_path):
-    with pytest.warns(UserWarning, match=r"measured 1 of 9 calibration tries.*flat: proportional"):
+    total = len(calibration.CALIBRATION_DESIGN)
+    with pytest.warns(UserWarning, match=rf"measured 1 of {total} calibration tries.*flat: proportional"):
         fitted = calibrate(tiny_model(), **SETTINGS, seconds=0.0, progress=False)
     assert not fitted.calibrated
     report = fitted.fit_info["calibration"]
@@ -522,6 +631,8 @@ def test_the_cache_key_sees_gradient_checkpointing(fake_device):
         ({"time": {**TRUTH, "tree": TRUTH["flat"]}}, ValueError, r"unknown modes \['tree'\]"),
         ({"time": "fast"}, TypeError, "time must be a dict"),
         ({"memory": {m: [0.0, math.inf, 0.0] for m in MODES}}, ValueError, r"memory\['flat'\]\[1\] is inf"),
+        ({"host": {m: [0.0, -1.0] for m in MODES}}, ValueError, r"host\['flat'\]\[1\] is -1.0"),
+        ({"host": {**TRUTH}}, ValueError, r"host\['flat'\] must hold 2 coefficients"),
         ({"calibrated": "yes"}, TypeError, "calibrated must be a bool"),
         ({"samples": -1}, ValueError, "samples must be at least 0"),
     ],

@@ -4,10 +4,11 @@
 their tree tokens reach the token budget, their rollouts are as long as RL rollouts (1/64 to 1/4 of the
 budget), their sharing runs from a 5% to an 85% common prefix, with one to three levels of forks. Scale
 matters because a model call costs the larger of its host and device time (see
-:mod:`treeattn_lab.engine.cost_model`): tries far below the budget measure host-bound calls and say
-little about budget-sized ones. The tries are measured in the order of :data:`CALIBRATION_DESIGN`, which
-puts first the tries that fill the budget and differ most, so a calibration cut short by its time limit
-still spans tokens, pairs per token and model calls.
+:mod:`treeattn_lab.engine.time_fit`): tries far below the budget measure host-bound calls and say little
+about budget-sized ones, so most tries fill a good part of the budget. Three small ones (1/32 to 1/8 of
+it, like the last micro-batch of a rank's share) measure the host floor. The tries are measured in the
+order of :data:`CALIBRATION_DESIGN`, which puts first the tries that fill the budget and differ most, so
+a calibration cut short by its time limit still spans tokens, pairs per token and model calls.
 
 The fitted model is cached on disk per model architecture, device and engine settings (:func:`cache_path`).
 """
@@ -30,10 +31,11 @@ from ..atomic import atomic_writer
 from ..checks import check_int
 from ..trie import RolloutTrie
 from .adapters import adapt
-from .cost_model import MODES, CostModel, MicroBatchShape, model_work
+from .cost_model import MODES, CostModel, MicroBatchShape
+from .time_fit import model_work
 from .tree_backward import tree_backward
 
-CALIBRATION_VERSION = 3  # part of the cache key: calibrations of older designs are not reused
+CALIBRATION_VERSION = 4  # part of the cache key: calibrations of older designs are not reused
 
 
 def _device_label(device: torch.device) -> str:
@@ -102,13 +104,16 @@ def synthetic_trie(
 
 # (name, tree tokens / scale, rollout length / scale, shared prompt / rollout length, fan-out per level),
 # measured in this order: the first tries fill the budget and differ most, so a calibration cut short by
-# its time limit still spans tokens, pairs per token and model calls
+# its time limit still spans tokens, pairs per token and model calls; the tiny tries measure the host floor
 CALIBRATION_DESIGN = (
     ("grpo", 1.0, 1 / 32, 0.3, (8,)),
     ("agentic", 1.0, 1 / 4, 0.6, (2, 3)),
     ("small-grpo", 0.3, 1 / 32, 0.3, (8,)),
+    ("tiny-grpo", 1 / 32, 1 / 256, 0.3, (4,)),
     ("low-sharing", 0.95, 1 / 16, 0.05, (2,)),
+    ("tiny-tree", 1 / 16, 1 / 64, 0.5, (2, 2)),
     ("tree-search", 0.9, 1 / 16, 0.4, (4, 4)),
+    ("tiny-short", 1 / 8, 1 / 128, 0.3, (8,)),
     ("short", 0.5, 1 / 64, 0.5, (16,)),
     ("high-sharing", 0.6, 1 / 8, 0.85, (8,)),
     ("long", 0.4, 1 / 4, 0.1, (2,)),

@@ -1,38 +1,32 @@
 """Cost model: predict each mode's time and peak memory for a micro-batch, and pick the best mode.
 
-Each mode's time for one micro-batch is a non-negative linear function of what it computes,
+Each mode's time for one micro-batch is the larger of a host term and a device term, both non-negative
+linear functions of what it computes (:mod:`treeattn_lab.engine.time_fit`):
 
-    time(mode) = theta_mode . [1, tokens, attention pairs, model calls]
+    time(mode) = max(eta_mode . [1, model calls], theta_mode . [1, tokens, attention pairs, model calls])
 
 - flat: padded tokens of the padded batches, their causal pairs, one model call per padded batch;
 - packed: tree tokens, tree pairs (each token sees its position + 1 keys); its one model call *is* the
-  micro-batch, so that column stays 0 and the constant alone carries the per-micro-batch cost;
+  micro-batch, so that column stays 0 and the constants alone carry the per-micro-batch cost;
 - dfs: tree tokens + recomputed tokens (blocks with children run twice: the spine above the packed
   subtrees), their pairs, model calls (pushes, pops, packed spans of sibling leaves and subtrees).
+
+The host term is what the calls cost the host (Python, kernel launches) whatever their size: a micro-batch
+below it is *host-bound* (:meth:`CostModel.host_bound`), and its device would finish sooner than its host.
 
 Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padded chunk, packed the
 whole micro-batch, dfs its largest call with autograd plus the K/V of the longest path).
 
 **Fitting** (:meth:`CostModel.fit`, on the measurements of
-:func:`treeattn_lab.engine.calibration.calibrate`). A model call costs about the *larger* of its host time
-(Python and kernel launches, nearly independent of its tokens) and its device time (about
-:data:`TOKEN_FLOPS_PER_WEIGHT` x weights FLOPs per token and :data:`PAIR_FLOPS_PER_CHANNEL` x heads x head
-dim x layers per attended pair), not their sum. On micro-batches small enough to be host-bound a free
-linear fit finds a large constant and a near-zero token slope, which predicts that tokens cost nothing. So
-NNLS runs with the token and pair slopes held at or above their FLOPs at :data:`MAX_PLAUSIBLE_FLOPS` (no
-device computes faster; :func:`model_work` counts the model's FLOPs), and is kept only where the
-measurements identify it: more measurements than features and a condition number of the
-column-normalized features of at most :data:`~treeattn_lab.engine.nnls.COND_LIMIT`. Otherwise (tries too
-few or too alike) the time is fitted on physics, ``c + s * FLOPs + c_call * calls``, three coefficients
-with the architecture fixing what a pair costs against a token; where even that is not identified, as
-``s * FLOPs`` alone.
+:func:`treeattn_lab.engine.calibration.calibrate`): per mode, :func:`~treeattn_lab.engine.time_fit.\
+fit_host_bound` (NNLS on each side of ``host = device``, the device slopes held to what a device can do).
 
 **Refinement** (:meth:`CostModel.refine`): measured times of real micro-batches rescale each mode's
 coefficients (least squares), which corrects what the synthetic calibration tries miss.
 
-**Prior.** Without calibration, times are in relative units: a token costs 1 unit, an attended pair
-:data:`PRIOR_PAIR_COST` units under flash attention and :data:`PRIOR_TREE_PAIR_FACTOR` times that under
-tree-shaped attention (ratios read off
+**Prior.** Without calibration, times are in relative units and there is no host term: a token costs 1
+unit, an attended pair :data:`PRIOR_PAIR_COST` units under flash attention and
+:data:`PRIOR_TREE_PAIR_FACTOR` times that under tree-shaped attention (ratios read off
 ``bench/results/train__NVIDIA-H200__torch-2.11.0-cu130__triton-3.6.0.json``). So a trie that shares
 little falls back to flat, where padding is small and flash attention is fastest.
 """
@@ -45,23 +39,15 @@ import numbers
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from ..checks import check_int
 from ..trie import RolloutTrie
 from .dfs import PUSH_BLOCKS, walk
 from .modes import MODES, flat_chunks
 from .nnls import nnls, nnls_normalized
+from .time_fit import HOST_FEATURES, TIME_FEATURES, fit_host_bound
 
-TIME_FEATURES = ("micro_batch", "tokens", "attention_pairs", "model_calls")
 MEMORY_FEATURES = 3  # constant, held tokens, path tokens (see MicroBatchShape.memory_features)
-
-MAX_PLAUSIBLE_FLOPS = 2.5e15  # FLOP/s: above the dense bf16 rate of any accelerator today (B200: 2.25e15)
-TOKEN_FLOPS_PER_WEIGHT = 6  # a trained token: 2 FLOPs per matmul weight forward, 4 backward
-PAIR_FLOPS_PER_CHANNEL = 14  # an attended pair, per query head channel and layer: 4 forward (QK^T, PV),
-# 10 backward with the scores recomputed (flash attention)
-DEFAULT_PAIR_TOKEN_RATIO = 1.2e-4  # pair / token FLOPs of the 0.49B bench model, for unknown architectures
-
 
 @dataclass(frozen=True)
 class MicroBatchShape:
@@ -138,6 +124,7 @@ def _prior() -> dict:
     return {
         "time": {m: [0.0, 1e-6, 1e-6 * pair[m], 0.0] for m in MODES},
         "memory": {m: [0.0, 1.0, 0.05] for m in MODES},
+        "host": {m: [0.0] * len(HOST_FEATURES) for m in MODES},
         "calibrated": False,
         "samples": 0,
     }
@@ -168,100 +155,18 @@ def _coefficient_table(name: str, table, width: int) -> dict[str, list[float]]:
     return out
 
 
-# ------------------------------------------------------------------------------------------- physics
-def _first_attr(obj, *names):
-    for name in names:
-        value = getattr(obj, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def model_work(model: nn.Module) -> dict:
-    """FLOPs of one trained token and of one attended pair (forward + backward) for ``model``.
-
-    A token costs :data:`TOKEN_FLOPS_PER_WEIGHT` FLOPs per matmul weight (every parameter of two or more
-    dimensions outside embedding lookups; a tied output head counts once, as the matmul it is). A pair
-    costs :data:`PAIR_FLOPS_PER_CHANNEL` x query heads x head dim x layers, read off the model's config
-    (TinyLM's ``cfg`` or a Hugging Face ``config``); where it is missing, :data:`DEFAULT_PAIR_TOKEN_RATIO`
-    of a token. ``known`` says whether the token FLOPs come from the model (the plausibility check of the
-    fit needs them).
-    """
-    weights = 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            continue
-        weights += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
-    per_token = float(TOKEN_FLOPS_PER_WEIGHT * weights) if weights else 1.0
-    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-    layers = _first_attr(cfg, "n_layers", "num_hidden_layers")
-    heads = _first_attr(cfg, "n_heads", "num_attention_heads")
-    width = _first_attr(cfg, "dim", "hidden_size")
-    head_dim = _first_attr(cfg, "head_dim") or (width // heads if width and heads else None)
-    if layers and heads and head_dim:
-        per_pair = float(PAIR_FLOPS_PER_CHANNEL * heads * head_dim * layers)
-    else:
-        per_pair = per_token * DEFAULT_PAIR_TOKEN_RATIO
-    return {"flops_per_token": per_token, "flops_per_pair": per_pair, "known": bool(weights)}
-
-
-def fit_time(A, b, work: dict | None = None) -> tuple[list[float], dict]:
-    """One mode's time coefficients from features ``A [n, 4]`` (:data:`TIME_FEATURES`) and seconds ``b``.
-
-    NNLS where the measurements identify the four coefficients, else the physical fallbacks of the module
-    docstring. Where every measurement made the same number of model calls, the constant carries them
-    (the model-calls coefficient is 0). For a known model (``work`` from :func:`model_work`) the token
-    and pair slopes are held at or above their FLOPs at :data:`MAX_PLAUSIBLE_FLOPS`: no device computes
-    them faster. Returns the
-    coefficients and how they were found: ``method`` (``"nnls"``, ``"physical"`` or ``"proportional"``),
-    the condition number of the NNLS features, the relative RMS residual on the measurements and, for a
-    known model, the throughput the per-token slope implies (``tflops``).
-    """
-    A = torch.as_tensor(A, dtype=torch.float64)
-    b = torch.as_tensor(b, dtype=torch.float64)
-    if A.dim() != 2 or A.shape[1] != len(TIME_FEATURES) or b.shape != (A.shape[0],) or A.shape[0] == 0:
-        shape = tuple(A.shape) + tuple(b.shape)
-        raise ValueError(f"need features [n >= 1, {len(TIME_FEATURES)}] and n times, got shapes {shape}")
-    if not (torch.isfinite(A).all() and torch.isfinite(b).all()) or (A < 0).any() or (b <= 0).any():
-        raise ValueError("features must be finite and >= 0, times finite and > 0")
-    if bool((A[:, 3] == A[0, 3]).all()):  # the same model calls in every measurement (flat without a
-        # budget runs one call): no fit can tell them from the constant, which carries them
-        A = torch.cat([A[:, :3], torch.zeros_like(A[:, 3:])], 1)
-    known = bool(work and work.get("known"))
-    per_token = work["flops_per_token"] if work else 1.0
-    per_pair = work["flops_per_pair"] if work else DEFAULT_PAIR_TOKEN_RATIO
-    fastest = 1.0 / MAX_PLAUSIBLE_FLOPS if known else 0.0  # seconds per FLOP, at the very least
-    floor = torch.tensor([0.0, per_token * fastest, per_pair * fastest, 0.0], dtype=torch.float64)
-    x, cond = nnls_normalized(A, b, floor)
-    method = "nnls"
-    if x is None:  # physics: c + s * FLOPs + c_call * calls, s >= fastest
-        flops = per_token * A[:, 1] + per_pair * A[:, 2]
-        physical = torch.stack([torch.ones_like(flops), flops, A[:, 3]], 1)
-        y, _ = nnls_normalized(physical, b, torch.tensor([0.0, fastest, 0.0], dtype=torch.float64))
-        if y is not None and float(y[1]) > 0:
-            x = torch.stack([y[0], y[1] * per_token, y[1] * per_pair, y[2]])
-            method = "physical"
-        else:  # time proportional to FLOPs: defined from a single measurement on
-            s = float(flops @ b) / float(flops @ flops)
-            x = torch.tensor([0.0, s * per_token, s * per_pair, 0.0], dtype=torch.float64)
-            method = "proportional"
-    residual = float(((A @ x - b) / b).square().mean().sqrt())
-    info = {"method": method, "condition": cond, "rel_rms_residual": residual, "shapes": int(A.shape[0])}
-    if known and float(x[1]) > 0:
-        info["tflops"] = per_token / float(x[1]) / 1e12
-    return x.tolist(), info
-
-
 @dataclass
 class CostModel:
-    """Per-mode linear predictors of time (seconds) and peak memory (bytes; relative under the prior).
+    """Per-mode predictors of time (seconds) and peak memory (bytes; relative under the prior).
 
-    ``time[mode]``: the :data:`TIME_FEATURES` coefficients of every mode, ``memory[mode]``: its three memory
+    ``time[mode]``: the device term's :data:`TIME_FEATURES` coefficients of every mode, ``host[mode]``: its
+    host term's :data:`HOST_FEATURES` coefficients (0: no host floor), ``memory[mode]``: its three memory
     coefficients; all finite and >= 0 (checked, and copied, on construction). ``calibrated``: every mode's
     time was identified by measurements (:meth:`fit`). ``fit_info``: per mode, how :meth:`fit` found its
-    time coefficients (see :func:`fit_time`) and whether its memory was measured (``"memory"``: ``"nnls"``
-    or ``"prior"``), the model's FLOPs (``"work"``) and, after :func:`~treeattn_lab.engine.calibrate`, what
-    it measured (``"calibration"``); ``refinement``: what :meth:`refine` changed, None if never refined.
+    time coefficients (:func:`~treeattn_lab.engine.time_fit.fit_host_bound`) and whether its memory was
+    measured (``"memory"``: ``"nnls"`` or ``"prior"``), the model's FLOPs (``"work"``) and, after
+    :func:`~treeattn_lab.engine.calibrate`, what it measured (``"calibration"``); ``refinement``: what
+    :meth:`refine` changed, None if never refined.
     """
 
     time: dict = field(default_factory=lambda: _prior()["time"])
@@ -271,9 +176,11 @@ class CostModel:
     device: str = "any"
     fit_info: dict = field(default_factory=dict)
     refinement: dict | None = None
+    host: dict = field(default_factory=lambda: _prior()["host"])
 
     def __post_init__(self):
         self.time = _coefficient_table("time", self.time, len(TIME_FEATURES))
+        self.host = _coefficient_table("host", self.host, len(HOST_FEATURES))
         self.memory = _coefficient_table("memory", self.memory, MEMORY_FEATURES)
         if not isinstance(self.calibrated, bool):
             raise TypeError(f"calibrated must be a bool, got {type(self.calibrated).__name__}")
@@ -286,12 +193,31 @@ class CostModel:
         self.refinement = copy.deepcopy(self.refinement)
 
     def predict(self, shape: MicroBatchShape, mode: str):
-        """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``."""
-        time_x = shape.time_features(mode)
-        memory_x = shape.memory_features(mode)
-        t = sum(a * f for a, f in zip(self.time[mode], time_x, strict=True))
-        m = sum(a * f for a, f in zip(self.memory[mode], memory_x, strict=True))
-        return t, m
+        """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``: seconds are the larger of the
+        host and the device term."""
+        host, device = self.time_terms(shape, mode)
+        m = sum(a * f for a, f in zip(self.memory[mode], shape.memory_features(mode), strict=True))
+        return max(host, device), m
+
+    def time_terms(self, shape: MicroBatchShape, mode: str) -> tuple[float, float]:
+        """``(host, device)`` seconds of running ``shape`` in ``mode``; the time is the larger."""
+        x = shape.time_features(mode)
+        device = sum(a * f for a, f in zip(self.time[mode], x, strict=True))
+        host = sum(a * f for a, f in zip(self.host[mode], (x[0], x[3]), strict=True))
+        return host, device
+
+    def host_bound(self, shape: MicroBatchShape, mode: str) -> bool:
+        """Whether ``shape`` in ``mode`` is predicted to wait on the host (its host term is the larger)."""
+        host, device = self.time_terms(shape, mode)
+        return host > device
+
+    def planning_seconds(self, mode: str, tokens: float, pairs: float) -> float:
+        """Predicted seconds of a tree micro-batch of ``tokens`` tree tokens and ``pairs`` attended pairs
+        in ``mode`` ("packed" or "dfs"), counting only its own constants and floor as calls (a DFS
+        micro-batch's calls depend on the blocks it is cut into): what :func:`~treeattn_lab.engine.\
+plan_micro_batches` minimizes."""
+        c0, per_token, per_pair, _ = self.time[mode]
+        return max(self.host[mode][0], c0 + per_token * tokens + per_pair * pairs)
 
     def choose(
         self, shape: MicroBatchShape, *, memory_limit: float | None = None, modes: tuple[str, ...] = MODES
@@ -318,7 +244,8 @@ class CostModel:
     @classmethod
     def fit(cls, samples: list[dict], *, device: str = "any", work: dict | None = None) -> CostModel:
         """Fit from ``samples``: dicts with ``mode``, ``time_features``, ``memory_features``, ``time_s``,
-        ``peak_bytes`` (None where unknown). ``work``: the model's FLOPs (:func:`model_work`) for the
+        ``peak_bytes`` (None where unknown). ``work``: the model's FLOPs
+        (:func:`~treeattn_lab.engine.time_fit.model_work`) for the
         plausibility check and the physical fallback. Modes without samples keep the prior.
 
         The result is ``calibrated`` only where every mode's time was identified (``"nnls"`` or
@@ -333,7 +260,7 @@ class CostModel:
                 continue
             A = torch.tensor([r["time_features"] for r in rows], dtype=torch.float64)
             b = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
-            model.time[mode], model.fit_info[mode] = fit_time(A, b, work)
+            model.time[mode], model.host[mode], model.fit_info[mode] = fit_host_bound(A, b, work)
             mem = [r for r in rows if r.get("peak_bytes") is not None]
             model.fit_info[mode]["memory"] = "nnls" if len(mem) >= 2 else "prior"
             if len(mem) >= 2:
@@ -358,9 +285,10 @@ class CostModel:
         - else one pooled scale for every mode, ``s = sum_o p_o y_o / sum_o p_o^2`` with
           ``p_o = sum_m P[o, m]``.
 
-        Modes no observation ran take the pooled scale. A mode's four coefficients scale together, so its
-        calibrated shape stays and its level moves. ``refinement`` records the scales and the relative
-        errors on the observations before and after (after is in-sample: the fit saw those times).
+        Modes no observation ran take the pooled scale. A mode's coefficients (device and host terms)
+        scale together, so its calibrated shape stays and its level moves. ``refinement`` records the
+        scales and the relative errors on the observations before and after (after is in-sample: the fit
+        saw those times).
         """
         if isinstance(observations, (str, bytes)) or not hasattr(observations, "__len__") or not observations:
             raise ValueError("observations must be a non-empty list of (parts, seconds) pairs")
@@ -377,6 +305,7 @@ class CostModel:
         fitted = P @ torch.tensor([scales[m] for m in MODES], dtype=torch.float64)
         refined = copy.deepcopy(self)
         refined.time = {m: [c * scales[m] for c in self.time[m]] for m in MODES}
+        refined.host = {m: [c * scales[m] for c in self.host[m]] for m in MODES}
         refined.refinement = {
             "method": method,
             "scales": scales,
@@ -428,13 +357,14 @@ class CostModel:
                 "device": self.device,
                 "fit_info": self.fit_info,
                 "refinement": self.refinement,
+                "host": self.host,
             }
         )
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        """The model of :meth:`to_dict` (also of older files, without ``fit_info`` and ``refinement``),
-        checked as the constructor checks its arguments."""
+        """The model of :meth:`to_dict` (also of older files, without ``fit_info``, ``refinement`` and
+        ``host``: no host floor), checked as the constructor checks its arguments."""
         required = ("time", "memory", "calibrated", "samples", "device")
         missing = [k for k in required if not isinstance(data, dict) or k not in data]
         if missing:
@@ -443,4 +373,5 @@ class CostModel:
             **{k: data[k] for k in required},
             fit_info=data.get("fit_info") or {},
             refinement=data.get("refinement"),
+            host=data.get("host") or _prior()["host"],
         )

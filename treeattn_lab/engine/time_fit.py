@@ -1,0 +1,205 @@
+"""Fitting one mode's time to measurements: the model's FLOPs, the device term and the host term.
+
+A model call costs about the *larger* of its host time (Python and kernel launches, nearly independent of
+its tokens) and its device time (about :data:`TOKEN_FLOPS_PER_WEIGHT` x weights FLOPs per token and
+:data:`PAIR_FLOPS_PER_CHANNEL` x heads x head dim x layers per attended pair), not their sum. So a mode's
+time for one micro-batch is
+
+    time = max(host, device)
+    device = theta . [1, tokens, attention pairs, model calls]       (TIME_FEATURES)
+    host   = eta . [1, model calls]                                  (HOST_FEATURES)
+
+with every coefficient >= 0. The host term is a floor: a micro-batch below it costs the same whatever its
+tokens, so two such micro-batches cost twice what one of both costs.
+
+**The device term** (:func:`fit_time`): NNLS with the token and pair slopes held at or above their FLOPs
+at :data:`MAX_PLAUSIBLE_FLOPS` (no device computes faster; :func:`model_work` counts the model's FLOPs),
+kept only where the measurements identify it: more measurements than features and a condition number of
+the column-normalized features of at most :data:`~treeattn_lab.engine.nnls.COND_LIMIT`. Otherwise (tries
+too few or too alike) the time is fitted on physics, ``c + s * FLOPs + c_call * calls``, three
+coefficients with the architecture fixing what a pair costs against a token; where even that is not
+identified, as ``s * FLOPs`` alone.
+
+**The host term** (:func:`fit_host_bound`): ``max`` is not linear, but it is linear on each side of the
+line ``host = device``. The measurements are split into host-bound ones (those that took the longest
+per FLOP) and device-bound ones; each side gets its own NNLS (the host side over ``[1, calls]``, the
+device side as :func:`fit_time`), every measurement is reassigned to the side its fitted terms say it is
+on, and the two fits are repeated until the split stops changing. Every split size is tried as a start;
+the best fit over all measurements is kept (among equally good ones, the one found first: the fewest
+host-bound), but only where both sides are identified and it has at most :data:`HOST_GAIN` times the
+residual of the device term alone. Otherwise the host term is 0 and the time is the linear device term.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .nnls import nnls_normalized
+
+TIME_FEATURES = ("micro_batch", "tokens", "attention_pairs", "model_calls")
+HOST_FEATURES = ("micro_batch", "model_calls")
+HOST_GAIN = 0.5  # the max(host, device) fit must at least halve the linear fit's relative RMS residual
+_HOST_ROUNDS = 20  # reassignments of the measurements between the two sides, at most
+
+MAX_PLAUSIBLE_FLOPS = 2.5e15  # FLOP/s: above the dense bf16 rate of any accelerator today (B200: 2.25e15)
+TOKEN_FLOPS_PER_WEIGHT = 6  # a trained token: 2 FLOPs per matmul weight forward, 4 backward
+PAIR_FLOPS_PER_CHANNEL = 14  # an attended pair, per query head channel and layer: 4 forward (QK^T, PV),
+# 10 backward with the scores recomputed (flash attention)
+DEFAULT_PAIR_TOKEN_RATIO = 1.2e-4  # pair / token FLOPs of the 0.49B bench model, for unknown architectures
+
+
+# ------------------------------------------------------------------------------------------- physics
+def _first_attr(obj, *names):
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def model_work(model: nn.Module) -> dict:
+    """FLOPs of one trained token and of one attended pair (forward + backward) for ``model``.
+
+    A token costs :data:`TOKEN_FLOPS_PER_WEIGHT` FLOPs per matmul weight (every parameter of two or more
+    dimensions outside embedding lookups; a tied output head counts once, as the matmul it is). A pair
+    costs :data:`PAIR_FLOPS_PER_CHANNEL` x query heads x head dim x layers, read off the model's config
+    (TinyLM's ``cfg`` or a Hugging Face ``config``); where it is missing, :data:`DEFAULT_PAIR_TOKEN_RATIO`
+    of a token. ``known`` says whether the token FLOPs come from the model (the plausibility check of the
+    fit needs them).
+    """
+    weights = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        weights += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+    per_token = float(TOKEN_FLOPS_PER_WEIGHT * weights) if weights else 1.0
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    layers = _first_attr(cfg, "n_layers", "num_hidden_layers")
+    heads = _first_attr(cfg, "n_heads", "num_attention_heads")
+    width = _first_attr(cfg, "dim", "hidden_size")
+    head_dim = _first_attr(cfg, "head_dim") or (width // heads if width and heads else None)
+    if layers and heads and head_dim:
+        per_pair = float(PAIR_FLOPS_PER_CHANNEL * heads * head_dim * layers)
+    else:
+        per_pair = per_token * DEFAULT_PAIR_TOKEN_RATIO
+    return {"flops_per_token": per_token, "flops_per_pair": per_pair, "known": bool(weights)}
+
+
+def fit_time(A, b, work: dict | None = None) -> tuple[list[float], dict]:
+    """One mode's time coefficients from features ``A [n, 4]`` (:data:`TIME_FEATURES`) and seconds ``b``.
+
+    NNLS where the measurements identify the four coefficients, else the physical fallbacks of the module
+    docstring. Where every measurement made the same number of model calls, the constant carries them
+    (the model-calls coefficient is 0). For a known model (``work`` from :func:`model_work`) the token
+    and pair slopes are held at or above their FLOPs at :data:`MAX_PLAUSIBLE_FLOPS`: no device computes
+    them faster. Returns the
+    coefficients and how they were found: ``method`` (``"nnls"``, ``"physical"`` or ``"proportional"``),
+    the condition number of the NNLS features, the relative RMS residual on the measurements and, for a
+    known model, the throughput the per-token slope implies (``tflops``).
+    """
+    A = torch.as_tensor(A, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    if A.dim() != 2 or A.shape[1] != len(TIME_FEATURES) or b.shape != (A.shape[0],) or A.shape[0] == 0:
+        shape = tuple(A.shape) + tuple(b.shape)
+        raise ValueError(f"need features [n >= 1, {len(TIME_FEATURES)}] and n times, got shapes {shape}")
+    if not (torch.isfinite(A).all() and torch.isfinite(b).all()) or (A < 0).any() or (b <= 0).any():
+        raise ValueError("features must be finite and >= 0, times finite and > 0")
+    if bool((A[:, 3] == A[0, 3]).all()):  # the same model calls in every measurement (flat without a
+        # budget runs one call): no fit can tell them from the constant, which carries them
+        A = torch.cat([A[:, :3], torch.zeros_like(A[:, 3:])], 1)
+    known = bool(work and work.get("known"))
+    per_token = work["flops_per_token"] if work else 1.0
+    per_pair = work["flops_per_pair"] if work else DEFAULT_PAIR_TOKEN_RATIO
+    fastest = 1.0 / MAX_PLAUSIBLE_FLOPS if known else 0.0  # seconds per FLOP, at the very least
+    floor = torch.tensor([0.0, per_token * fastest, per_pair * fastest, 0.0], dtype=torch.float64)
+    x, cond = nnls_normalized(A, b, floor)
+    method = "nnls"
+    if x is None:  # physics: c + s * FLOPs + c_call * calls, s >= fastest
+        flops = per_token * A[:, 1] + per_pair * A[:, 2]
+        physical = torch.stack([torch.ones_like(flops), flops, A[:, 3]], 1)
+        y, _ = nnls_normalized(physical, b, torch.tensor([0.0, fastest, 0.0], dtype=torch.float64))
+        if y is not None and float(y[1]) > 0:
+            x = torch.stack([y[0], y[1] * per_token, y[1] * per_pair, y[2]])
+            method = "physical"
+        else:  # time proportional to FLOPs: defined from a single measurement on
+            s = float(flops @ b) / float(flops @ flops)
+            x = torch.tensor([0.0, s * per_token, s * per_pair, 0.0], dtype=torch.float64)
+            method = "proportional"
+    residual = float(((A @ x - b) / b).square().mean().sqrt())
+    info = {"method": method, "condition": cond, "rel_rms_residual": residual, "shapes": int(A.shape[0])}
+    if known and float(x[1]) > 0:
+        info["tflops"] = per_token / float(x[1]) / 1e12
+    return x.tolist(), info
+
+
+# ------------------------------------------------------------------------------------------ host term
+def _rel_rms(predicted: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((predicted - b) / b).square().mean().sqrt())
+
+
+def _fit_host(H: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """Host coefficients over ``H = [1, calls]`` of host-bound measurements; None where not identified.
+    Where every one made the same number of calls, the constant carries them."""
+    if bool((H[:, 1] == H[0, 1]).all()):
+        H = torch.stack([H[:, 0], torch.zeros_like(H[:, 1])], 1)
+    eta, _ = nnls_normalized(H, b)
+    return eta if eta is not None and bool((eta > 0).any()) else None
+
+
+def _fit_sides(A, H, b, host_bound: torch.Tensor, work):
+    """``(device, host, device info)`` fitted on the two sides of ``host_bound``; None where a side is not
+    identified (the device side must be an ``"nnls"`` or ``"physical"`` fit)."""
+    if int(host_bound.sum()) < 2 or int((~host_bound).sum()) < 2:
+        return None
+    eta = _fit_host(H[host_bound], b[host_bound])
+    if eta is None:
+        return None
+    theta, info = fit_time(A[~host_bound], b[~host_bound], work)
+    if info["method"] not in ("nnls", "physical"):
+        return None
+    return torch.tensor(theta, dtype=torch.float64), eta, info
+
+
+def fit_host_bound(A, b, work: dict | None = None) -> tuple[list[float], list[float], dict]:
+    """One mode's device and host coefficients (``time = max(host, device)``, module docstring) from
+    features ``A [n, 4]`` (:data:`TIME_FEATURES`) and seconds ``b``.
+
+    Returns ``(theta, eta, info)``: ``info`` is :func:`fit_time`'s for the device term (its residual over
+    every measurement, with the max), plus ``host`` (``"max"`` where the host term was kept, else
+    ``"none"``), ``host_bound`` (how many measurements the host term explains) and
+    ``linear_rel_rms_residual`` (the device term alone, fitted on every measurement).
+    """
+    theta, info = fit_time(A, b, work)
+    A = torch.as_tensor(A, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    linear = info["rel_rms_residual"]
+    info.update(host="none", host_bound=0, linear_rel_rms_residual=linear)
+    H = A[:, [0, 3]]
+    per_token = work["flops_per_token"] if work else 1.0
+    per_pair = work["flops_per_pair"] if work else DEFAULT_PAIR_TOKEN_RATIO
+    flops = (per_token * A[:, 1] + per_pair * A[:, 2]).clamp_min(1.0)
+    order = torch.argsort(-b / flops, stable=True)  # the slowest per FLOP first: the likeliest host-bound
+    best = None  # (residual, theta, eta, info, host-bound count)
+    for k in range(2, A.shape[0] - 1):  # the k slowest measurements per FLOP start on the host side
+        host_bound = torch.zeros(A.shape[0], dtype=torch.bool)
+        host_bound[order[:k]] = True
+        for _ in range(_HOST_ROUNDS):
+            sides = _fit_sides(A, H, b, host_bound, work)
+            if sides is None:
+                break
+            t, eta, side_info = sides
+            device, host = A @ t, H @ eta
+            residual = _rel_rms(torch.maximum(device, host), b)
+            if best is None or residual < best[0] * (1 - 1e-6) - 1e-12:  # ties: the smaller host side
+                best = (residual, t, eta, side_info, int((host > device).sum()))
+            moved = host > device
+            if torch.equal(moved, host_bound):
+                break
+            host_bound = moved
+    if best is None or not best[0] <= HOST_GAIN * linear:
+        return theta, [0.0, 0.0], info
+    residual, t, eta, side_info, count = best
+    info = {**side_info, "rel_rms_residual": residual, "shapes": int(A.shape[0])}
+    info.update(host="max", host_bound=count, linear_rel_rms_residual=linear)
+    return t.tolist(), eta.tolist(), info
