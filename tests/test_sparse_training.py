@@ -200,3 +200,26 @@ def test_merge_refuses_repeated_seeds_and_other_configurations(tiny_runs):
         merge_results([a, other])
     with pytest.raises(ValueError, match="at least one"):
         merge_results([])
+
+
+def test_drawings_show_the_merged_numbers(tiny_runs):
+    pytest.importorskip("plotly")
+    from treeattn_lab.lab import viz
+
+    _, merged = tiny_runs
+    curves = viz.draw_training_curves(merged)
+    dense = [t for t in curves.data if t.legendgroup == "dense"]
+    assert len(dense) == 2  # next-byte loss and answer loss
+    cfg = merged["config"]
+    assert dense[0].x[0] == cfg["short_steps"] and len(dense[0].y) == cfg["steps"]
+    runs = [merged["histories"][f"dense/seed{s}"]["lm_loss"] for s in (0, 1)]
+    assert list(dense[0].y) == pytest.approx([(a + b) / 2 for a, b in zip(*runs, strict=True)])
+    retrieval = viz.draw_retrieval_by_depth(merged)
+    by = {s["variant"]: s for s in merged["summary"]}
+    for trace, variant in zip(retrieval.data, VARIANTS, strict=True):
+        assert list(trace.y) == [by[variant]["retrieval"][str(d)] for d in cfg["depths"]]
+    times = viz.draw_training_times(merged)
+    kernel, estimate, step = times.data
+    assert list(kernel.y) == [by[v]["kernel_ms"] for v in VARIANTS]
+    assert list(estimate.y) == [by[v]["estimate_ms"] for v in VARIANTS]
+    assert list(step.y) == [by[v]["step_ms"] for v in VARIANTS]

@@ -185,7 +185,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    train = load_corpus("train").to(device)
+    train = load_corpus("train")  # batches are built on the CPU, then moved
     generator = torch.Generator().manual_seed(seed)
     optimizer = _adamw(model, lr, 0.1)
     warmup = min(100, steps // 10)
@@ -195,8 +195,9 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr * _lr_factor(step, steps, warmup, 0.1)
-        inputs, targets, answer = passkey_batch(train, batch_size, seq_len, generator,
-                                                share=cfg.passkey_share, digits=cfg.digits)
+        batch = passkey_batch(train, batch_size, seq_len, generator, share=cfg.passkey_share,
+                              digits=cfg.digits)
+        inputs, targets, answer = (x.to(device) for x in batch)
         _sync(device)
         start = time.perf_counter()
         with _autocast(device, cfg):
@@ -292,7 +293,7 @@ def attention_times(model, variant: str, attention, inputs, cfg: ExperimentConfi
 
 # ---------------------------------------------------------------------------------------------- one seed
 def _evaluate(model, variant, attention, cfg, probes, device) -> dict:
-    val = load_corpus("validation").to(device)
+    val = load_corpus("validation")  # evaluate_loss moves each window to the model's device
     with _autocast(device, cfg):
         own = evaluate_loss(model, val, attention=attention, seq_len=cfg.seq_len, batch_size=1,
                             max_windows=cfg.eval_windows)
@@ -313,11 +314,12 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) ->
     histories = {f"pretrain/seed{seed}": train_phase(
         base, causal_sdpa, cfg, seq_len=cfg.short_len, steps=cfg.short_steps, batch_size=cfg.short_batch,
         lr=cfg.lr, seed=seed, desc=f"seed {seed}: dense at {cfg.short_len}", progress=progress)}
-    val = load_corpus("validation").to(device)
-    probes = probe_set(val, cfg.depths, cfg.probes_per_depth, cfg.seq_len, cfg.digits, seed=10_000 + seed)
+    probes = {depth: samples.to(device) for depth, samples in probe_set(
+        load_corpus("validation"), cfg.depths, cfg.probes_per_depth, cfg.seq_len, cfg.digits,
+        seed=10_000 + seed).items()}
     timing_generator = torch.Generator().manual_seed(20_000 + seed)
-    timing_batch = passkey_batch(load_corpus("train").to(device), cfg.batch_size, cfg.seq_len,
-                                 timing_generator, share=1.0, digits=cfg.digits)[0]
+    timing_batch = passkey_batch(load_corpus("train"), cfg.batch_size, cfg.seq_len, timing_generator,
+                                 share=1.0, digits=cfg.digits)[0].to(device)
     rows, window, sparse_fraction = [], None, None
     for variant in VARIANTS:
         phase_start = time.perf_counter()

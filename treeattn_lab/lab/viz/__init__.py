@@ -17,6 +17,7 @@ module                    what it draws
 :mod:`.balance`           partitions over ranks, their loads, sweeps over K, a measured step per rank
 :mod:`.sparse_patterns`   attention maps, vertical-slash patterns and their recall
 :mod:`.dilation`          the RAT+ experiment: loss above dense per dilation, per window, per model
+:mod:`.sparse_training`   the sparse-training experiment: loss curves, retrieval by depth, time
 :mod:`.ring`              sparse ring attention: who computes which tile, work per (rank, step)
 :mod:`.gpu_timeline`      a profiled run: kernels and NCCL transfers per stream over time
 :mod:`.bench`             benchmark result files and figures (tree, train, sparse; live speed sweeps)
@@ -59,6 +60,7 @@ from .micro_batches import draw_micro_batch_table, draw_micro_batches, micro_bat
 from .ring import draw_layouts, draw_ring_work
 from .rl import LOOP_COLORS, add_grpo_record, draw_grpo_live, draw_phase_times, draw_sampled_trie
 from .sparse_patterns import draw_attention_maps, draw_pattern, draw_recall
+from .sparse_training import draw_retrieval_by_depth, draw_training_curves, draw_training_times
 from .stats import draw_stats_bars, draw_stats_table
 from .style import (
     BACKEND_COLORS,
@@ -120,6 +122,7 @@ __all__ = [
     "draw_rank_loads",
     "draw_rank_timeline",
     "draw_recall",
+    "draw_retrieval_by_depth",
     "draw_ring_work",
     "draw_sampled_trie",
     "draw_sparse_bench",
@@ -128,6 +131,8 @@ __all__ = [
     "draw_stats_table",
     "draw_tile_schedule",
     "draw_train_bench",
+    "draw_training_curves",
+    "draw_training_times",
     "draw_trie",
     "flat_causal_mask",
     "held_tokens",
