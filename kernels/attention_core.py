@@ -32,7 +32,8 @@ sm_90+ GPU with 16-byte aligned, non-overlapping rows (:func:`tma_usable`); else
 Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation (:func:`dot_precision`), fp32
 inputs IEEE fp32 dots. On the host, :func:`run_attention` does what every op does around its kernels:
 check the inputs, default the scale to ``1 / sqrt(head_dim)``, make the last dim contiguous, and turn the
-kernels' base-2 ``[..., H, N]`` log-sum-exp into the natural-log ``[..., N, H]`` one.
+kernels' base-2 ``[..., H, N]`` log-sum-exp into the natural-log ``[..., N, H]`` one. Each op's kernels run
+as ``torch.library`` custom ops; :func:`register_attention_autograd` ties a forward op to its backward op.
 """
 
 from __future__ import annotations
@@ -267,3 +268,47 @@ def run_attention(apply, q, k, v, *, scale=None, return_lse: bool = False):
     if return_lse:
         return out, lse2.transpose(-1, -2) / LOG2E
     return out
+
+
+# --------------------------------------------------------------------------------------- custom ops
+# The attention kernels run as ``torch.library`` custom ops (namespace ``treeattn_lab``): a forward op
+# ``(q, k, v, *rest) -> (out, lse2)`` and a backward op ``(do, q, k, v, out, lse2, *rest) -> (dq, dk, dv)``,
+# each with a fake implementation, so ``torch.compile(fullgraph=True)`` traces a model calling them,
+# backward included. Launch configs travel as int lists, five ints per launch.
+def launch_ints(*launches) -> list[int]:
+    """``[block_m, block_n, num_warps, num_stages, tma]`` of each :class:`~.tuning.LaunchConfig`, joined."""
+    return [int(x) for launch in launches for x in (launch.block_m, launch.block_n, launch.num_warps,
+                                                   launch.num_stages, launch.tma)]
+
+
+def launches_of(ints) -> list:
+    """The :class:`~.tuning.LaunchConfig` list that :func:`launch_ints` wrote."""
+    from .tuning import LaunchConfig
+
+    return [LaunchConfig(*ints[i:i + 4], bool(ints[i + 4])) for i in range(0, len(ints), 5)]
+
+
+def register_attention_autograd(forward_op, backward_op) -> None:
+    """Register ``backward_op`` as ``forward_op``'s autograd: the forward saves ``q, k, v, out, lse2`` and
+    the tensors among ``rest`` (a list of tensors stays a list); the log-sum-exp gets no gradient."""
+    from torch.utils import _pytree
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *rest = inputs
+        flat, ctx.rest_spec = _pytree.tree_flatten(rest)
+        ctx.tensor_at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        ctx.rest_flat = [None if i in ctx.tensor_at else x for i, x in enumerate(flat)]
+        ctx.save_for_backward(q, k, v, *output, *(flat[i] for i in ctx.tensor_at))
+
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        flat = list(ctx.rest_flat)
+        for i, x in zip(ctx.tensor_at, tensors, strict=True):
+            flat[i] = x
+        rest = _pytree.tree_unflatten(flat, ctx.rest_spec)
+        dq, dk, dv = backward_op(do, q, k, v, out, lse, *rest)
+        no_grads = [[None] * len(x) if isinstance(x, list) and x and isinstance(x[0], torch.Tensor) else None
+                    for x in rest]
+        return dq, dk, dv, *no_grads
+
+    forward_op.register_autograd(backward, setup_context=setup_context)

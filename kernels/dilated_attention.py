@@ -47,6 +47,10 @@ come out already normalized):
   (seen by the next ``W`` queries). Each part writes its own buffer; a compact key's gradient is then its
   window gradient plus its strided one, added at rows ``D-1, 2D-1, ...`` (fp32, one rounding).
 
+The kernels run as ``torch.library`` custom ops (``treeattn_lab::dilated_attention_fwd`` / ``_bwd``, the
+backward registered as the forward's autograd) with fake implementations: ``torch.compile(fullgraph=True)``
+traces a model that calls them. The pattern needs no host work: three ints.
+
 Layout: ``[B, N, H, head_dim]`` (a 3-D input is batch 1), any strides with a contiguous last dim;
 grouped-query attention with ``Hq = G * Hkv``. Precision: fp16 / bf16 dots with fp32 accumulation, fp32
 inputs use IEEE fp32 dots. Under ``TRITON_INTERPRET=1`` (CPU) test fp32 / fp16 only (the interpreter's
@@ -444,22 +448,35 @@ def _backward(do, q, k, v, o, lse, pattern, scale, dkdv_launch, dq_launch):
     return dq, dk_w, dv_w
 
 
-class DilatedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper over ``[B, N, H, head_dim]``: saves (q, k, v, o, lse); backward recomputes p."""
+@torch.library.custom_op("treeattn_lab::dilated_attention_fwd", mutates_args=())
+def dilated_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pattern: list[int],
+                          launches: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse2 [B, Hq, N])`` over ``[B, N, H, head_dim]``; ``pattern``: ``[dilation, window,
+    initial]``, ``launches``: the forward, dK/dV and dQ launches (:func:`~.attention_core.launch_ints`).
+    A custom op (with the backward below as its autograd) so that ``torch.compile`` traces it."""
+    return _forward(q, k, v, pattern, scale, core.launches_of(launches)[0])
 
-    @staticmethod
-    def forward(ctx, q, k, v, pattern, scale, fwd_launch, dkdv_launch, dq_launch):
-        o, lse = _forward(q, k, v, pattern, scale, fwd_launch)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.pattern, ctx.scale, ctx.launches = pattern, scale, (dkdv_launch, dq_launch)
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, ctx.pattern, ctx.scale, *ctx.launches)
-        return dq, dk, dv, None, None, None, None, None
+@dilated_attention_fwd.register_fake
+def _(q, k, v, scale, pattern, launches):
+    B, N, hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, hq, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("treeattn_lab::dilated_attention_bwd", mutates_args=())
+def dilated_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          o: torch.Tensor, lse: torch.Tensor, scale: float, pattern: list[int],
+                          launches: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` (arguments as :func:`dilated_attention_fwd`'s)."""
+    return _backward(do, q, k, v, o, lse, pattern, scale, *core.launches_of(launches)[1:])
+
+
+@dilated_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, scale, pattern, launches):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+core.register_attention_autograd(dilated_attention_fwd, dilated_attention_bwd)
 
 
 def _launches(head_dim: int, fwd_config, dkdv_config, dq_config) -> list[LaunchConfig]:
@@ -486,10 +503,11 @@ def triton_dilated_attention(q, k, v, *, dilation: int, window: int = 0, initial
     if not batched:
         q, k, v = q[None], k[None], v[None]
     launches = _launches(q.shape[-1], fwd_config, dkdv_config, dq_config)
-    pattern = (int(dilation), int(window), int(initial))
+    pattern = [int(dilation), int(window), int(initial)]
 
     def apply(q, k, v, scale):
-        return DilatedAttentionFunction.apply(q, k, v, pattern, scale, *launches)
+        o, lse = dilated_attention_fwd(q, k, v, scale, pattern, core.launch_ints(*launches))
+        return o, lse.detach()  # the log-sum-exp carries no gradient
 
     result = core.run_attention(apply, q, k, v, scale=scale, return_lse=return_lse)
     if batched:

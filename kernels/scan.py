@@ -89,6 +89,8 @@ chain, warps, stages, ``unroll``, ``window``, ``programs_per_sm``); the default 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -392,21 +394,55 @@ def scan_backward(x, g, h, dh, config=None):
     return dx, dg
 
 
-class GatedScanFunction(torch.autograd.Function):
-    """Autograd wrapper over ``[B, N, C]``: forward saves (x, g, h); backward runs the reverse scan."""
+# The scan runs as ``torch.library`` custom ops (``treeattn_lab::gated_scan_fwd`` / ``_bwd``) with fake
+# implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces a model calling it,
+# backward included. The launch travels as the config's fields in order (:func:`_config_ints`).
+def _config_ints(config) -> list[int]:
+    return [int(x) for x in dataclasses.astuple(_checked_config(config))]
 
-    @staticmethod
-    def forward(ctx, x, g, config):
-        h = scan_forward(x, g, config)
-        ctx.save_for_backward(x, g, h)
-        ctx.config = config
-        return h
 
-    @staticmethod
-    def backward(ctx, dh):
-        x, g, h = ctx.saved_tensors
-        dx, dg = scan_backward(x, g, h, dh, ctx.config)
-        return dx, dg, None
+def _config_of(ints) -> ScanConfig:
+    fields = list(ints)
+    fields[4] = bool(fields[4])  # tma
+    return ScanConfig(*fields)
+
+
+@torch.library.custom_op("treeattn_lab::gated_scan_fwd", mutates_args=())
+def gated_scan_fwd(x: torch.Tensor, g: torch.Tensor, config: list[int]) -> torch.Tensor:
+    """``h`` of contiguous ``x, g [B, N, C]`` (:func:`scan_forward`); ``config``: :func:`_config_ints`."""
+    return scan_forward(x, g, _config_of(config))
+
+
+@gated_scan_fwd.register_fake
+def _(x, g, config):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("treeattn_lab::gated_scan_bwd", mutates_args=())
+def gated_scan_bwd(x: torch.Tensor, g: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, config: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dg)`` of :func:`scan_backward`."""
+    return scan_backward(x, g, h, dh, _config_of(config))
+
+
+@gated_scan_bwd.register_fake
+def _(x, g, h, dh, config):
+    return torch.empty_like(x), torch.empty_like(g)
+
+
+def _scan_setup_context(ctx, inputs, output):
+    x, g, config = inputs
+    ctx.save_for_backward(x, g, output)
+    ctx.config = config
+
+
+def _scan_backward(ctx, dh):
+    x, g, h = ctx.saved_tensors
+    dx, dg = gated_scan_bwd(x, g, h, dh, ctx.config)
+    return dx, dg, None
+
+
+gated_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup_context)
 
 
 def triton_gated_scan(x: torch.Tensor, g: torch.Tensor, *, dim: int = 0, config=None) -> torch.Tensor:
@@ -422,5 +458,5 @@ def triton_gated_scan(x: torch.Tensor, g: torch.Tensor, *, dim: int = 0, config=
     N = shape[dim]
     B = shape[:dim].numel()
     view = (B, N, x.numel() // max(1, B * N))
-    h = GatedScanFunction.apply(x.contiguous().view(view), g.contiguous().view(view), config)
+    h = gated_scan_fwd(x.contiguous().view(view), g.contiguous().view(view), _config_ints(config))
     return h.view(shape)

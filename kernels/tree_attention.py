@@ -402,19 +402,6 @@ def _backward(do, q, k, v, o, lse, subtree_end, schedule, dkdv_launch, dq_launch
 
 
 # --------------------------------------------------------------------------------------- custom ops
-# The kernels run as ``torch.library`` custom ops, so ``torch.compile(fullgraph=True)`` traces a model
-# that calls them: a fake implementation gives each op's output shapes, and the backward is an op too,
-# so a compiled backward traces as well. Launches travel as ``[block_m, block_n, num_warps, num_stages,
-# tma]`` int lists (:func:`_launch_ints`), schedules as their CSR tensors.
-def _launch_ints(launch: LaunchConfig) -> list[int]:
-    return [launch.block_m, launch.block_n, launch.num_warps, launch.num_stages, int(launch.tma)]
-
-
-def _launch_of(ints) -> LaunchConfig:
-    block_m, block_n, num_warps, num_stages, tma = ints
-    return LaunchConfig(block_m, block_n, num_warps, num_stages, bool(tma))
-
-
 @torch.library.custom_op("treeattn_lab::tree_schedule", mutates_args=())
 def tree_schedule_op(subtree_end: torch.Tensor, block_m: int, block_n: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -428,8 +415,8 @@ def tree_schedule_op(subtree_end: torch.Tensor, block_m: int, block_n: int
 def _(subtree_end, block_m, block_n):
     T = subtree_end.shape[0]
     visited = torch.library.get_ctx().new_dynamic_size()  # tiles visited: data-dependent
-    ptr = (subtree_end.new_empty((triton.cdiv(T, b), 3), dtype=torch.int32) for b in (block_m, block_n))
-    fwd_ptr, bwd_ptr = ptr
+    fwd_ptr, bwd_ptr = (subtree_end.new_empty((triton.cdiv(T, b), 3), dtype=torch.int32)
+                        for b in (block_m, block_n))
     idx = subtree_end.new_empty((visited,), dtype=torch.int32)
     return fwd_ptr, idx, bwd_ptr, torch.empty_like(idx)
 
@@ -440,9 +427,8 @@ def tree_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtre
                        split_groups: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse2 [Hq, T])`` of the forward kernel. ``schedule``: the CSR tensors of the three launches
     (forward ``fwd_ptr, fwd_idx``, dK/dV ``bwd_ptr, bwd_idx``, dQ ``fwd_ptr, fwd_idx``), ``launches`` their
-    15 ints; the backward's share is carried here for :func:`_tree_setup_context`."""
-    launch = _launch_of(launches[:5])
-    return _forward(q, k, v, subtree_end, schedule[0], schedule[1], launch, scale)
+    :func:`~.attention_core.launch_ints`; the backward's share rides along for its autograd."""
+    return _forward(q, k, v, subtree_end, schedule[0], schedule[1], core.launches_of(launches)[0], scale)
 
 
 @tree_attention_fwd.register_fake
@@ -456,8 +442,8 @@ def tree_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        scale: float, launches: list[int], split_groups: bool | None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of the two backward kernels (arguments as :func:`tree_attention_fwd`'s)."""
-    return _backward(do, q, k, v, o, lse, subtree_end, schedule, _launch_of(launches[5:10]),
-                     _launch_of(launches[10:]), scale, split_groups)
+    return _backward(do, q, k, v, o, lse, subtree_end, schedule, *core.launches_of(launches)[1:], scale,
+                     split_groups)
 
 
 @tree_attention_bwd.register_fake
@@ -465,20 +451,7 @@ def _(do, q, k, v, o, lse, subtree_end, schedule, scale, launches, split_groups)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _tree_setup_context(ctx, inputs, output):
-    q, k, v, subtree_end, schedule, scale, launches, split_groups = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], subtree_end, *schedule)
-    ctx.scale, ctx.launches, ctx.split_groups = scale, launches, split_groups
-
-
-def _tree_backward(ctx, do, _dlse):
-    q, k, v, o, lse, subtree_end, *schedule = ctx.saved_tensors
-    dq, dk, dv = tree_attention_bwd(do, q, k, v, o, lse, subtree_end, schedule, ctx.scale, ctx.launches,
-                                    ctx.split_groups)
-    return dq, dk, dv, None, [None] * len(schedule), None, None, None
-
-
-tree_attention_fwd.register_autograd(_tree_backward, setup_context=_tree_setup_context)
+core.register_attention_autograd(tree_attention_fwd, tree_attention_bwd)
 
 
 def schedule_for(pack, block_m: int, block_n: int) -> dict:
@@ -519,7 +492,7 @@ def triton_tree_attention(q, k, v, pack, *, scale=None, fwd_config=None, dkdv_co
     """
     launches = [launch_config(config, f"{name}_config", default_configs(q.shape[-1], q.dtype)[name])
                 for name, config in (("fwd", fwd_config), ("dkdv", dkdv_config), ("dq", dq_config))]
-    launch_ints = [n for launch in launches for n in _launch_ints(launch)]
+    launch_ints = core.launch_ints(*launches)
 
     def apply(q, k, v, scale):  # after the input checks: a refused call caches no schedule on the pack
         schedule = []

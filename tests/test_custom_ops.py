@@ -9,10 +9,14 @@ eager mode's. On CPU the kernels run under Triton's interpreter (fp32 here).
 
 import pytest
 import torch
+from treeattn_lab.kernels import attention_core
+from treeattn_lab.kernels import dilated_attention as dilated_kernel
+from treeattn_lab.kernels import scan as scan_kernel
 from treeattn_lab.kernels import tree_attention as tree_kernel
-from treeattn_lab.kernels.tuning import LaunchConfig
+from treeattn_lab.kernels.tuning import LaunchConfig, ScanConfig
 
 from treeattn_lab import RolloutTrie, reference, tree_attention
+from treeattn_lab.ops import dilated_attention, gated_scan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILE = LaunchConfig(16, 16, 4, 1)
@@ -118,3 +122,64 @@ def test_tree_attention_through_the_public_entry_point_compiles():
         return tree_attention(q, k, v, pack, backend="triton")
 
     _assert_compiles_like_eager(fn, inputs, compiler="eager")
+
+
+# ---------------------------------------------------------------------------------------- dilated
+DILATED_LAUNCHES = [TILE, LaunchConfig(16, 32, 4, 1), LaunchConfig(32, 16, 4, 1)]
+
+
+@pytest.mark.parametrize("pattern", [[3, 5, 7], [2, 0, 0], [4, 17, 3]])
+def test_dilated_ops_pass_opcheck(pattern):
+    q, k, v = _inputs(3, (2, 53, 4, 16), (2, 53, 2, 16), (2, 53, 2, 16))
+    args = (q, k, v, 0.3, pattern, attention_core.launch_ints(*DILATED_LAUNCHES))
+    torch.library.opcheck(dilated_kernel.dilated_attention_fwd, args)
+    o, lse = dilated_kernel.dilated_attention_fwd(*args)
+    do = torch.randn_like(o)
+    torch.library.opcheck(dilated_kernel.dilated_attention_bwd,
+                          (do, *(x.detach() for x in (q, k, v, o, lse)), *args[3:]))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_dilated_attention_compiles_fullgraph_like_eager(compiler):
+    inputs = _inputs(4, (61, 4, 16), (61, 2, 16), (61, 2, 16))
+
+    def fn(q, k, v):
+        return dilated_kernel.triton_dilated_attention(q, k, v, dilation=3, window=6, initial=2, scale=0.3,
+                                                       fwd_config=TILE, dkdv_config=TILE, dq_config=TILE)
+
+    _assert_compiles_like_eager(fn, inputs, compiler=compiler)
+
+    def public(q, k, v):
+        return dilated_attention(q, k, v, dilation=3, window=6, initial=2, backend="triton")
+
+    _assert_compiles_like_eager(public, inputs, compiler="eager")
+
+
+# ------------------------------------------------------------------------------------------- scan
+SCAN_CONFIG = ScanConfig(8, 4, 1, 1, unroll=3, window=2)
+
+
+def _gates(seed, shape):
+    x, g = _inputs(seed, shape, shape)
+    return x, torch.sigmoid(g.detach()).requires_grad_()
+
+
+def test_scan_ops_pass_opcheck():
+    x, g = _gates(5, (2, 37, 6))
+    config = scan_kernel._config_ints(SCAN_CONFIG)
+    torch.library.opcheck(scan_kernel.gated_scan_fwd, (x, g, config))
+    h = scan_kernel.gated_scan_fwd(x, g, config)
+    dh = torch.randn_like(h)
+    torch.library.opcheck(scan_kernel.gated_scan_bwd, (x.detach(), g.detach(), h.detach(), dh, config))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_gated_scan_compiles_fullgraph_like_eager(compiler):
+    inputs = _gates(6, (3, 29, 5))
+
+    def fn(x, g):
+        return scan_kernel.triton_gated_scan(x, g, dim=1, config=SCAN_CONFIG)
+
+    _assert_compiles_like_eager(fn, inputs, compiler=compiler)
+    _assert_compiles_like_eager(lambda x, g: gated_scan(x, g, dim=1, backend="triton"), inputs,
+                                compiler="eager")
