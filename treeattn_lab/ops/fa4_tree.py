@@ -44,8 +44,6 @@ FA4_MIN_CAPABILITY = (9, 0)
 FA4_DTYPES = (torch.float16, torch.bfloat16)
 FA4_MAX_HEAD_DIM = 256
 FA4_NEEDS = "FlashAttention-4 (pip install 'treeattn_lab[hopper]') on a CUDA GPU of compute capability >= 9.0"
-FLASH_KERNEL_OPTIONS = {"BACKEND": "FLASH"}
-FA4_DYNAMIC = None  # torch.compile's automatic dynamic: a second pack size compiles once for all sizes
 
 
 @functools.cache
@@ -57,6 +55,7 @@ def fa4_importable() -> bool:
         return False
 
 
+@torch.compiler.assume_constant_result  # a fact of the machine: torch.compile reads it once, as a constant
 def fa4_available(device) -> bool:
     """Whether the ``"fa4"`` backend can run on ``device``: a CUDA GPU of compute capability >= 9.0 with
     ``flash_attn.cute`` importable."""
@@ -79,5 +78,4 @@ def fa4_tree_attention(q, k, v, pack, *, scale=None):
         raise ValueError(f"the fa4 backend needs {FA4_NEEDS}, fp16 or bf16, and a head dim that is a "
                          f"multiple of 8 up to {FA4_MAX_HEAD_DIM}; got {q.dtype}, head dim {q.shape[-1]} on "
                          f"{q.device}; use backend='triton'")
-    return flex_attention(q, k, v, lambda: tree_block_mask(pack), scale=scale,
-                          kernel_options=FLASH_KERNEL_OPTIONS, dynamic=FA4_DYNAMIC)
+    return flex_attention(q, k, v, lambda: tree_block_mask(pack), scale=scale, kernel="flash")
