@@ -12,8 +12,15 @@ from ..patterns.tree import tree_mask_mod
 from .flex import flex_attention
 
 
+def pack_mask_mod(pack):
+    """The FlexAttention ``mask_mod`` of ``pack``'s tree rule (``k <= q < subtree_end[k]``), batch and
+    head independent; it reads ``pack.subtree_end`` on the pack's device."""
+    return tree_mask_mod(pack.subtree_end)
+
+
 def tree_block_mask(pack):
-    """The FlexAttention ``BlockMask`` of ``pack`` (cached on the pack)."""
+    """The FlexAttention ``BlockMask`` of ``pack`` (cached on the pack, one per device), for
+    ``flex_attention`` on ``[1, H, T, D]`` layouts."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     key = ("flex_block_mask", str(pack.device))
@@ -21,7 +28,7 @@ def tree_block_mask(pack):
         T = pack.num_tokens
         on_gpu = pack.device.type == "cuda"
         pack._cache[key] = create_block_mask(
-            tree_mask_mod(pack.subtree_end),
+            pack_mask_mod(pack),
             B=None,
             H=None,
             Q_LEN=T,
