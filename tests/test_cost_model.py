@@ -14,12 +14,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tests.conftest import rollout_forests
 from treeattn_lab import RolloutTrie
 from treeattn_lab.datasets import load_trie
 from treeattn_lab.distributed.balance import BEST, EngineCost, balance
 from treeattn_lab.distributed.probe import predicted_for_modes_run, refine_cost_model
-from treeattn_lab.engine import CostModel, MicroBatchShape, calibrate, calibration, plan_micro_batches
+from treeattn_lab.engine import (
+    CostModel,
+    MicroBatchShape,
+    calibrate,
+    calibration,
+    plan_micro_batches,
+    tree_backward,
+)
 from treeattn_lab.engine.calibration import calibration_tries
 from treeattn_lab.engine.cost_model import MODES
 from treeattn_lab.engine.nnls import COND_LIMIT
@@ -388,6 +398,81 @@ def test_refine_rejects_bad_observations(observations, error, match):
         calibrated_model().refine(fixed if isinstance(observations, list) else observations)
 
 
+# ------------------------------------------------------------------------------- planning the cuts
+def device_bound_model(host_floor: float = 0.0) -> CostModel:
+    """Calibrated coefficients where a micro-batch costs little more than its tokens, plus a host floor
+    (flat three times slower: ``"auto"`` runs the tree modes)."""
+    theta = [1e-6, 1e-5, 1e-9, 1e-6]
+    return CostModel(
+        time={m: [c * (3 if m == "flat" else 1) for c in theta] for m in MODES},
+        host={m: [host_floor, 0.0] for m in MODES},
+        calibrated=True,
+    )
+
+
+def prompt_groups(prompts: int = 4, prompt_len: int = 30, samples: int = 4, tail: int = 10, seed: int = 0):
+    """``prompts`` prompts of ``prompt_len`` tokens, sampled ``samples`` times each (distinct tails)."""
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(50) for _ in range(prompt_len)]
+        seqs += [prompt + [j] + [rng.randrange(50) for _ in range(tail - 1)] for j in range(samples)]
+    return seqs
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs", "auto"])
+def test_a_host_bound_model_plans_fewer_fuller_micro_batches_with_exact_gradients(mode):
+    from tests.engine_models import assert_grads_close, flat_gradients, random_weights, tiny_lm
+
+    seqs = prompt_groups()  # four subtrees of 70 tree tokens: two never fit a budget of 120
+    trie, budget = RolloutTrie.from_sequences(seqs), 120
+    host_bound, device_bound = device_bound_model(host_floor=1.0), device_bound_model()
+    fewer = plan_micro_batches(trie, budget, cost_model=host_bound, mode=mode)
+    apart = plan_micro_batches(trie, budget, cost_model=device_bound, mode=mode)
+    assert len(fewer) == len(plan_micro_batches(trie, budget)) == 3  # as few as the budget allows
+    assert sum(mb.carried_tokens for mb in fewer) > 0  # ... at the price of a prefix computed twice
+    assert len(apart) == 4 and sum(mb.carried_tokens for mb in apart) == 0  # one subtree each
+    model = tiny_lm()
+    weights = random_weights(seqs, 3)
+    expected, _ = flat_gradients(model, seqs, weights)
+    for cost_model, plan in ((host_bound, fewer), (device_bound, apart)):
+        model.zero_grad(set_to_none=True)
+        result = tree_backward(
+            model, trie, weights, mode=mode, block_tokens=8, token_budget=budget, cost_model=cost_model
+        )
+        assert len(result.report.modes) == len(plan)
+        carried = [mb.carried_tokens for mb, m in zip(plan, result.report.modes, strict=True) if m != "flat"]
+        assert result.report.carried_tokens == sum(carried)
+        assert_grads_close(model, expected, 1e-9)
+
+
+@given(
+    seqs=rollout_forests(max_sequences=12, max_len=16),
+    budget=st.integers(1, 40),
+    floor=st.sampled_from([0.0, 1e-4, 1.0]),
+)
+@settings(max_examples=40, deadline=None)
+def test_cheapest_cuts_cover_every_rollout_once_and_never_cost_more_than_greedy(seqs, budget, floor):
+    trie = RolloutTrie.from_sequences(seqs)
+    model = device_bound_model(floor)
+    planned = plan_micro_batches(trie, budget, cost_model=model, mode="packed")
+    greedy = plan_micro_batches(trie, budget)
+    assert sorted(i for mb in planned for i in mb.sequences) == list(range(len(seqs)))
+    for mb in planned:
+        assert mb.trie.sequences() == [seqs[i] for i in mb.sequences]
+        assert mb.tree_tokens <= budget or len(mb.sequences) == 1
+    total = trie.stats()["tree_tokens"]
+    assert sum(mb.tree_tokens - mb.carried_tokens for mb in planned) == total
+
+    def predicted(plan):
+        shapes = [MicroBatchShape.of(mb.trie, 8) for mb in plan]
+        return sum(model.planning_seconds("packed", s.tree_tokens, s.tree_pairs) for s in shapes)
+
+    assert predicted(planned) <= predicted(greedy) * (1 + 1e-9)
+    if floor == 1.0:  # every micro-batch host-bound: as few as the greedy fill
+        assert len(planned) == len(greedy)
+
+
 # ------------------------------------------------------------------------- the distributed probe
 def test_probe_times_every_micro_batch_in_the_contending_modes(one_rank_group):
     torch.manual_seed(0)
@@ -403,7 +488,7 @@ def test_probe_times_every_micro_batch_in_the_contending_modes(one_rank_group):
     model_in.time["packed"] = list(model_in.time["flat"])  # flat and packed contend,
     model_in.time["dfs"] = [10.0, 0.0, 0.0, 0.0]  # dfs never does
     refined, probe = refine_cost_model(model, trie, model_in, mode="auto", block_tokens=16, token_budget=100)
-    micro_batches = plan_micro_batches(trie, 100)
+    micro_batches = plan_micro_batches(trie, 100, cost_model=model_in)  # cut as the engine cuts them
     assert probe["micro_batches"] == len(micro_batches) >= 2
     probed = {(t["micro_batch"], t["mode"]) for t in probe["timings"]}
     assert {i for i, _ in probed} == set(range(len(micro_batches)))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checks import check_int
-from ..engine.microbatch import MicroBatch, plan_micro_batches
+from ..engine.microbatch import MicroBatch
 from ..trie import RolloutTrie
 from .costs import CostTree, EngineCost, TokenCost
 from .partitioners import (
@@ -51,6 +51,7 @@ class RankShare:
     cost: float  # predicted, in the cost's unit
     tree_tokens: int  # tokens of the rank's trie
     carried_tokens: int  # prefix tokens computed again because a micro-batch cut them
+    host_bound: int = 0  # micro-batches the cost model predicts host-bound (EngineCost; 0 under tokens)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ class BalanceReport:
             "replicated_tokens": self.replicated_tokens,
             "replicated_fraction": self.replicated_tokens / self.total_tree_tokens,
             "carried_tokens": self.carried_tokens,
+            "micro_batches": [len(s.micro_batches) for s in self.shares],
+            "host_bound_micro_batches": [s.host_bound for s in self.shares],
             "token_budget": self.token_budget,
             "partition_s": self.seconds,
         }
@@ -138,7 +141,7 @@ class BalanceReport:
 
 # ============================================================================================ entry point
 def _check_cost(cost) -> None:
-    if not (hasattr(cost, "surrogate") and hasattr(cost, "micro_batch_cost") and hasattr(cost, "unit")):
+    if not all(hasattr(cost, name) for name in ("surrogate", "plan", "micro_batch_terms", "unit")):
         raise TypeError(f"cost must be a TokenCost or an EngineCost, got {type(cost).__name__}")
 
 
@@ -184,9 +187,11 @@ def rank_share(
     if not sequences:
         return RankShare(rank, (), None, (), (), 0.0, 0, 0)
     local = RolloutTrie.from_sequences([trie.sequence(i) for i in sequences])
-    mbs, costs = [], []
-    for mb in plan_micro_batches(local, token_budget):
-        costs.append(float(cost.micro_batch_cost(mb, token_budget)))
+    mbs, costs, host_bound = [], [], 0
+    for mb in cost.plan(local, token_budget):
+        seconds, waits_on_host = cost.micro_batch_terms(mb, token_budget)
+        costs.append(float(seconds))
+        host_bound += bool(waits_on_host)
         mbs.append(MicroBatch(tuple(sequences[j] for j in mb.sequences), mb.trie, mb.carried_tokens))
     tree_tokens = sum(len(n.tokens) for n in local.nodes)
     return RankShare(
@@ -198,6 +203,7 @@ def rank_share(
         sum(costs),
         tree_tokens,
         sum(mb.carried_tokens for mb in mbs),
+        host_bound,
     )
 
 

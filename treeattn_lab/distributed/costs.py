@@ -3,13 +3,16 @@
 Data-parallel training on tries: rank r builds the trie of *its own* rollouts and runs
 :func:`treeattn_lab.engine.tree_backward` on it, so rank r's work is the cost of its own trie (a prefix
 shared by rollouts on two ranks is computed on both). A cost is evaluated on the micro-batches the engine
-will run on that rank (:func:`treeattn_lab.engine.plan_micro_batches` of the rank's trie):
+will run on that rank (:meth:`plan`: :func:`treeattn_lab.engine.plan_micro_batches` of the rank's trie
+with the cost model and mode the engine plans with):
 
 - :class:`TokenCost` (the default): the tokens the rank computes, i.e. the tree tokens of its micro-batches
   (a prefix carried over a micro-batch cut is counted again, as the engine computes it again).
 - :class:`EngineCost`: the seconds the engine's :class:`~treeattn_lab.engine.CostModel` predicts for each
   micro-batch in the mode ``tree_backward`` runs it in (``"auto"``: the model's own choice), so the
-  prediction here is the very number the engine reports in ``report.predicted_s``.
+  prediction here is the very number the engine reports in ``report.predicted_s``. Each micro-batch costs
+  the larger of its host and device terms, so a rank whose share ends in a small, host-bound micro-batch
+  pays the host floor for it, and the rank's makespan is the sum over its micro-batches.
 
 The partitioners (:mod:`.partitioners`) search with an additive **surrogate** of the cost
 (:class:`CostTree`), which they can update along one root path at a time:
@@ -20,7 +23,9 @@ The partitioners (:mod:`.partitioners`) search with an additive **surrogate** of
 Tokens: ``node_cost`` = the node's token count (exact without a token budget). A tree mode of a cost
 model: its per-token and per-attended-pair coefficients applied to the node's tokens (DFS: twice for a
 node with children, which is pushed without grad and recomputed). Flat mode: ``rollout_cost`` = each
-rollout's own tokens and causal pairs. Reports (:mod:`.balance`) are always evaluated with the exact cost.
+rollout's own tokens and causal pairs. The surrogate has no per-micro-batch term (neither the constant
+nor the host floor: they depend on where the rank's micro-batches are cut, not on single nodes); reports
+(:mod:`.balance`) are always evaluated with the exact cost, which has both.
 """
 
 from __future__ import annotations
@@ -38,14 +43,38 @@ from ..trie import RolloutTrie
 
 
 # ================================================================================================== costs
+def _check_planning(name: str, cost_model, mode, *, optional: bool) -> None:
+    if not (isinstance(cost_model, CostModel) or (optional and cost_model is None)):
+        wanted = "a CostModel or None" if optional else "a CostModel"
+        raise TypeError(f"{name} must be {wanted}, got {type(cost_model).__name__}")
+    if mode not in ("auto",) + MODES:
+        raise ValueError(f"mode must be one of {('auto',) + MODES}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class TokenCost:
-    """A rank pays one unit per token it computes: the tree tokens of its micro-batches."""
+    """A rank pays one unit per token it computes: the tree tokens of its micro-batches.
 
+    ``plan_with``, ``mode``: the cost model and mode ``tree_backward`` plans its micro-batches with (None:
+    greedy fill), so the micro-batches counted are the engine's."""
+
+    plan_with: CostModel | None = None
+    mode: str = "auto"
     unit: ClassVar[str] = "tokens"
 
+    def __post_init__(self):
+        _check_planning("plan_with", self.plan_with, self.mode, optional=True)
+
+    def plan(self, trie: RolloutTrie, token_budget: int | None) -> list[MicroBatch]:
+        """The micro-batches the engine cuts ``trie`` into."""
+        return plan_micro_batches(trie, token_budget, cost_model=self.plan_with, mode=self.mode)
+
+    def micro_batch_terms(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[float, bool]:
+        """``(cost, host-bound)`` of a micro-batch: its tree tokens; tokens know no host."""
+        return float(micro_batch.tree_tokens), False
+
     def micro_batch_cost(self, micro_batch: MicroBatch, token_budget: int | None) -> float:
-        return float(micro_batch.tree_tokens)
+        return self.micro_batch_terms(micro_batch, token_budget)[0]
 
     def surrogate(self, trie: RolloutTrie, token_budget: int | None) -> tuple[list[float], list[float]]:
         """``(node_cost by node id, rollout_cost by rollout)``: every token once, nothing per rollout."""
@@ -68,22 +97,33 @@ class EngineCost:
     unit: ClassVar[str] = "seconds"
 
     def __post_init__(self):
-        if not isinstance(self.cost_model, CostModel):
-            raise TypeError(f"cost_model must be a CostModel, got {type(self.cost_model).__name__}")
-        if self.mode not in ("auto",) + MODES:
-            raise ValueError(f"mode must be one of {('auto',) + MODES}, got {self.mode!r}")
+        _check_planning("cost_model", self.cost_model, self.mode, optional=False)
         check_int("block_tokens", self.block_tokens)
+
+    def plan(self, trie: RolloutTrie, token_budget: int | None) -> list[MicroBatch]:
+        """The micro-batches the engine cuts ``trie`` into (planned with this cost model and mode)."""
+        return plan_micro_batches(trie, token_budget, cost_model=self.cost_model, mode=self.mode)
+
+    def predict(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[str, float, bool]:
+        """The mode the engine runs ``micro_batch`` in, its predicted seconds, and whether the model
+        predicts it host-bound in that mode."""
+        shape = MicroBatchShape.of(micro_batch.trie, self.block_tokens, token_budget)
+        mode = self.mode
+        if mode == "auto":
+            mode, _ = self.cost_model.choose(shape, memory_limit=self.memory_limit)
+        host, device = self.cost_model.time_terms(shape, mode)
+        return mode, max(host, device), host > device
 
     def mode_and_seconds(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[str, float]:
         """The mode the engine runs ``micro_batch`` in, and its predicted seconds."""
-        shape = MicroBatchShape.of(micro_batch.trie, self.block_tokens, token_budget)
-        if self.mode == "auto":
-            mode, predictions = self.cost_model.choose(shape, memory_limit=self.memory_limit)
-            return mode, predictions[mode][0]
-        return self.mode, self.cost_model.predict(shape, self.mode)[0]
+        return self.predict(micro_batch, token_budget)[:2]
+
+    def micro_batch_terms(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[float, bool]:
+        """``(predicted seconds, host-bound)`` of a micro-batch."""
+        return self.predict(micro_batch, token_budget)[1:]
 
     def micro_batch_cost(self, micro_batch: MicroBatch, token_budget: int | None) -> float:
-        return self.mode_and_seconds(micro_batch, token_budget)[1]
+        return self.predict(micro_batch, token_budget)[1]
 
     def surrogate(self, trie: RolloutTrie, token_budget: int | None) -> tuple[list[float], list[float]]:
         """Per-node (tree modes) or per-rollout (flat) seconds from the model's linear coefficients, for
@@ -91,7 +131,7 @@ class EngineCost:
         mode = self.mode
         if mode == "auto":
             votes = dict.fromkeys(MODES, 0)
-            for mb in plan_micro_batches(trie, token_budget):
+            for mb in self.plan(trie, token_budget):
                 votes[self.mode_and_seconds(mb, token_budget)[0]] += mb.flat_tokens
             mode = max(MODES, key=lambda m: votes[m])  # ties: the first in MODES
         _, per_token, per_pair, per_call = self.cost_model.time[mode]

@@ -86,11 +86,12 @@ def refine_cost_model(
 ) -> tuple[CostModel, dict]:
     """Collective: rescale ``cost_model`` to times measured on the real rollouts (:meth:`CostModel.refine`).
 
-    The whole trie's micro-batches are dealt round-robin over the ranks; each rank times its micro-batches
-    (``tree_backward``, the fastest of ``repeats`` runs, gradients discarded) in every mode the engine
-    could pick: ``mode`` itself, or under ``"auto"`` each mode predicted within ``contenders`` x the
-    fastest. The timings are all-gathered and rank 0's refit is broadcast, so every rank plans with the
-    same model. Existing ``.grad`` are restored. Returns the refined model and a summary of the probe.
+    The whole trie's micro-batches (as the engine plans them with ``cost_model``) are dealt round-robin
+    over the ranks; each rank times its micro-batches (``tree_backward``, the fastest of ``repeats``
+    runs, gradients discarded) in every mode the engine could pick: ``mode`` itself, or under ``"auto"``
+    each mode predicted within ``contenders`` x the fastest. The timings are all-gathered and rank 0's
+    refit is broadcast, so every rank plans with the same model. Existing ``.grad`` are restored.
+    Returns the refined model and a summary of the probe.
 
     The probe measures the rollouts that are then trained: predictions of the refined model are fitted in
     part on them (the whole trie's micro-batches; the ranks' shares cut them differently), so report them
@@ -99,7 +100,7 @@ def refine_cost_model(
     started = time.perf_counter()
     monitor = monitor_group(group)
     rank, world = rank_in(group), dist.get_world_size(group)
-    micro_batches = plan_micro_batches(trie, token_budget)
+    micro_batches = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
     shapes = [MicroBatchShape.of(mb.trie, block_tokens, token_budget) for mb in micro_batches]
     timings, error = [], None
     try:

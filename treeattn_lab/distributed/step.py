@@ -129,8 +129,8 @@ def plan_shares(
         what="the rollouts, token weights or settings",
         hint="every rank must pass the same trie, weights and arguments",
     )
-    cost = (
-        TokenCost()
+    cost = (  # either way, the shares' micro-batches are cut as tree_backward will cut them
+        TokenCost(plan_with=cost_model, mode=mode)
         if balance_by == "tokens"
         else EngineCost(cost_model, mode=mode, block_tokens=block_tokens, memory_limit=memory_limit)
     )

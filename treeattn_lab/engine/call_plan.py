@@ -69,7 +69,8 @@ def plan_call(
             "the same activations both times; call model.eval() or set dropout to 0"
         )
     cost_model = cost_model or CostModel()
-    plan = CallPlan(adapter, plan_micro_batches(trie, token_budget), longest=longest)
+    micro_batches = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
+    plan = CallPlan(adapter, micro_batches, longest=longest)
     allowed = MODES if deterministic else tuple(m for m in MODES if m != "dfs")
     for mb in plan.micro_batches:
         chosen, predicted = mode, {}

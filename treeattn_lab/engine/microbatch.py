@@ -1,19 +1,32 @@
 """Dynamic micro-batching: cut a rollout trie into micro-batches of neighbouring rollouts.
 
 Rollouts are taken in DFS order of the trie (a rollout that is a prefix of another comes first), which
-places rollouts with long common prefixes next to each other. A micro-batch grows while its own trie
-stays within ``token_budget`` tree tokens; adding rollout s costs ``len(s) - lcp(previous, s)`` tokens,
-because in DFS order the longest prefix s shares with any rollout already in the micro-batch is the one it
-shares with its predecessor. So subtrees stay together, and a subtree larger than the budget is cut
-between two of its rollouts: the next micro-batch computes their common prefix again, which is counted as
-``carried_tokens``. A rollout longer than the budget gets a micro-batch of its own (the DFS engine then
-splits it into blocks). Every rollout lands in exactly one micro-batch, so every token's loss is counted
-exactly once.
+places rollouts with long common prefixes next to each other, and every micro-batch is a contiguous
+range of that order within ``token_budget`` tree tokens. A range's tree tokens and attended pairs add up
+rollout by rollout: rollout s adds ``len(s) - lcp(previous, s)`` tokens (positions ``lcp .. len - 1``,
+each attending its position + 1 keys), because in DFS order the longest prefix s shares with any rollout
+before it in the range is the one it shares with its predecessor. A cut between two rollouts makes the
+next micro-batch compute their common prefix again, counted as ``carried_tokens``. A rollout longer than
+the budget gets a micro-batch of its own (the DFS engine then splits it into blocks). Every rollout lands
+in exactly one micro-batch, so every token's loss is counted exactly once, however the cuts fall.
+
+Where the cuts fall:
+
+- **greedy fill** (no calibrated cost model, or flat mode, where a cut costs nothing since every rollout
+  runs whole): a micro-batch grows while it fits the budget. This needs the fewest micro-batches, but may
+  cut a subtree just before its end and carry its prefix.
+- **cheapest cuts** (a calibrated :class:`~treeattn_lab.engine.CostModel`): the cuts that minimize the sum
+  of the micro-batches' predicted seconds (:meth:`~treeattn_lab.engine.CostModel.planning_seconds`), by
+  dynamic programming over the cut points (ties: fewer micro-batches). Where the model says small
+  micro-batches are host-bound (each costs the host floor whatever its tokens), this prefers fewer,
+  fuller micro-batches; where they are device-bound and a micro-batch costs little more than its tokens,
+  it prefers cuts between subtrees that carry no prefix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from ..checks import check_int
 from ..trie import RolloutTrie
@@ -49,26 +62,82 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def plan_micro_batches(trie: RolloutTrie, token_budget: int | None = None) -> list[MicroBatch]:
-    """Micro-batches of at most ``token_budget`` tree tokens each (``None``: the whole trie as one)."""
+def _pairs(lo: int, hi: int) -> int:
+    """Attended pairs of positions ``lo .. hi - 1`` of a rollout (position p attends p + 1 keys)."""
+    return (hi * (hi + 1) - lo * (lo + 1)) // 2
+
+
+def _greedy_starts(lengths: list[int], shared: list[int], token_budget: int | None) -> list[int]:
+    """Where each micro-batch of the greedy fill starts (indices into the DFS order)."""
+    starts, used = [], 0
+    for k, (n, lcp) in enumerate(zip(lengths, shared, strict=True)):
+        if starts and (token_budget is None or used + n - lcp <= token_budget):
+            used += n - lcp
+        else:
+            starts.append(k)
+            used = n
+    return starts
+
+
+def _cheapest_starts(lengths: list[int], shared: list[int], token_budget: int, seconds) -> list[int]:
+    """Where each micro-batch starts under the cuts that minimize the sum of ``seconds(tokens, pairs)``
+    over the micro-batches (ties: fewer micro-batches): ``best[b]`` is the cheapest plan of the first b
+    rollouts, the last micro-batch ``a .. b - 1`` tried for every start a that fits the budget."""
+    added_tokens, added_pairs = [0], [0]  # prefix sums of what each rollout adds after its predecessor
+    for n, lcp in zip(lengths, shared, strict=True):
+        added_tokens.append(added_tokens[-1] + n - lcp)
+        added_pairs.append(added_pairs[-1] + _pairs(lcp, n))
+    best = [(0.0, 0, -1)]  # (seconds, micro-batches, start of the last one)
+    for b in range(1, len(lengths) + 1):
+        choice = None
+        for a in range(b - 1, -1, -1):  # a range's tokens only grow as its start moves back
+            tokens = lengths[a] + added_tokens[b] - added_tokens[a + 1]
+            if tokens > token_budget and a < b - 1:
+                break
+            pairs = _pairs(0, lengths[a]) + added_pairs[b] - added_pairs[a + 1]
+            total = (best[a][0] + seconds(tokens, pairs), best[a][1] + 1, a)
+            tol = 1e-12 * max(1.0, abs(total[0]))
+            if (
+                choice is None
+                or total[0] < choice[0] - tol
+                or (total[0] <= choice[0] + tol and total[1] < choice[1])
+            ):
+                choice = total
+        best.append(choice)
+    starts, b = [], len(lengths)
+    while b > 0:
+        b = best[b][2]
+        starts.append(b)
+    return starts[::-1]
+
+
+def plan_micro_batches(
+    trie: RolloutTrie, token_budget: int | None = None, *, cost_model=None, mode: str = "auto"
+) -> list[MicroBatch]:
+    """Micro-batches of at most ``token_budget`` tree tokens each (``None``: the whole trie as one).
+
+    ``cost_model``: a calibrated :class:`~treeattn_lab.engine.CostModel` makes the cuts the cheapest
+    predicted (module docstring) for ``mode``, the engine mode the micro-batches will run in: under
+    ``"auto"`` the packed mode's prediction, whose features a range of rollouts determines exactly (the
+    engine then picks each micro-batch's mode). Otherwise, and in ``"flat"`` mode, greedy fill.
+    """
     if not isinstance(trie, RolloutTrie):
         raise TypeError(f"trie must be a RolloutTrie, got {type(trie).__name__}")
     check_int("token_budget", token_budget, allow_none=True)
     order = dfs_sequence_order(trie)
-    seqs = {i: trie.sequence(i) for i in order}
-    groups: list[tuple[list[int], int]] = []  # (sequence ids, carried tokens)
-    used, previous = 0, None
-    for i in order:
-        shared = _common_prefix(seqs[previous], seqs[i]) if previous is not None else 0
-        extra = len(seqs[i]) - shared
-        if groups and (token_budget is None or used + extra <= token_budget):
-            groups[-1][0].append(i)
-            used += extra
-        else:
-            groups.append(([i], shared))
-            used = len(seqs[i])
-        previous = i
+    seqs = [trie.sequence(i) for i in order]
+    lengths = [len(s) for s in seqs]
+    shared = [0] + [_common_prefix(a, b) for a, b in pairwise(seqs)]
+    calibrated = getattr(cost_model, "calibrated", False) is True
+    if token_budget is None or not calibrated or mode == "flat":
+        starts = _greedy_starts(lengths, shared, token_budget)
+    else:
+        plan_mode = "packed" if mode == "auto" else mode
+        starts = _cheapest_starts(
+            lengths, shared, token_budget, lambda t, p: cost_model.planning_seconds(plan_mode, t, p)
+        )
+    bounds = starts + [len(order)]
     return [
-        MicroBatch(tuple(ids), RolloutTrie.from_sequences([seqs[i] for i in ids]), carried)
-        for ids, carried in groups
+        MicroBatch(tuple(order[a:b]), RolloutTrie.from_sequences(seqs[a:b]), shared[a])
+        for a, b in pairwise(bounds)
     ]

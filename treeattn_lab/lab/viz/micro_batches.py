@@ -27,7 +27,7 @@ def micro_batch_choices(
 
     cost_model = cost_model or CostModel()
     rows = []
-    for j, mb in enumerate(plan_micro_batches(trie, token_budget)):
+    for j, mb in enumerate(plan_micro_batches(trie, token_budget, cost_model=cost_model)):
         shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
         choice, predictions = cost_model.choose(shape, memory_limit=memory_limit)
         rows.append(
