@@ -196,7 +196,10 @@ def test_more_ranks_than_rollouts_leaves_ranks_empty():
 
 
 # ------------------------------------------------------------------------- the engine agrees with the plan
-def test_engine_cost_predictions_are_what_tree_backward_predicts():
+@pytest.mark.parametrize("host_floor", [None, 0.0, 2e-4])
+def test_engine_cost_predictions_are_what_tree_backward_predicts(host_floor):
+    """Uncalibrated (greedy cuts) and calibrated models (the planner's cuts; with a host floor some
+    micro-batches are host-bound): the shares' micro-batches and seconds are the engine's own."""
     torch.manual_seed(0)
     model = TinyLM(
         TinyLMConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=24)
@@ -212,11 +215,16 @@ def test_engine_cost_predictions_are_what_tree_backward_predicts():
             "flat": [0.0, 1e-6, 1e-9, 0.0],
             "packed": [0.0, 1e-6, 1e-9, 0.0],
             "dfs": [0.0, 1e-5, 1e-8, 1e-4],
-        }
+        },
+        host={m: [(host_floor or 0.0) * f, 0.0] for m, f in (("flat", 2), ("packed", 1), ("dfs", 10))},
+        calibrated=host_floor is not None,
     )
     cost = EngineCost(cost_model, mode="auto", block_tokens=8)
     report = balance(trie, 3, BEST, cost=cost, token_budget=60)
     assert report.unit == "seconds"
+    host_bound = sum(s.host_bound for s in report.shares)
+    assert (host_bound > 0) == bool(host_floor), host_bound
+    assert report.row()["host_bound_micro_batches"] == [s.host_bound for s in report.shares]
     chosen = set()
     for share in report.shares:
         if not share.sequences:

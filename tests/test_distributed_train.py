@@ -14,7 +14,7 @@ from treeattn_lab import RolloutTrie
 from treeattn_lab.bench.spawned_train import check_cases, check_model
 from treeattn_lab.distributed import RankFailureError, plan_shares, run_step, spawn
 from treeattn_lab.distributed import step as step_module
-from treeattn_lab.engine import tree_backward
+from treeattn_lab.engine import MODES, CostModel, tree_backward
 
 VOCAB = 50
 
@@ -63,6 +63,16 @@ def assert_equal_to_single_process(outcomes, case, world):
             torch.testing.assert_close(got["grads"][name], want, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def calibrated(host_floor: float) -> CostModel:
+    """A calibrated cost model: with a floor every micro-batch is host-bound (fewest micro-batches),
+    without one a micro-batch costs little more than its tokens (cuts between subtrees)."""
+    return CostModel(
+        time={m: [1e-6, 1e-5, 1e-9, 1e-6] for m in MODES},
+        host={m: [host_floor, 0.0] for m in MODES},
+        calibrated=True,
+    )
+
+
 SEQS = rollouts(0)
 THREE_RANK_CASES = [
     # gradients: two steps accumulate, like tree_backward
@@ -74,6 +84,9 @@ THREE_RANK_CASES = [
     dict(seqs=SEQS, fail_rank=2, mode="dfs", block_tokens=3),
     dict(seqs=SEQS, short_rank=0),
     dict(seqs=SEQS, partitioner="lpt_split", mode="dfs", block_tokens=3),
+    # the micro-batch planner of a calibrated cost model, on every rank's share
+    dict(seqs=SEQS, partitioner="subtree_search", mode="auto", token_budget=12, cost_model=calibrated(1.0)),
+    dict(seqs=SEQS, mode="packed", token_budget=12, balance_by="tokens", cost_model=calibrated(0.0)),
 ]
 
 
@@ -83,7 +96,7 @@ def test_three_gloo_ranks_equal_one_process_and_fail_together():
     results = spawn(3, check_cases, {"cases": THREE_RANK_CASES}, timeout_s=150)
     assert time.monotonic() - started < 150
     per_case = by_case(results)  # per_case[case][rank]
-    for i in (0, 1, 2, 6):
+    for i in (0, 1, 2, 6, 7, 8):
         assert_equal_to_single_process(per_case[i], THREE_RANK_CASES[i], 3)
     assert sum(1 for s in per_case[2][0]["value"]["sequences"] if not s) == 1
     for rank, outcome in enumerate(per_case[3]):  # rank 1 changed one token weight

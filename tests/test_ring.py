@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from treeattn_lab.bench.ring import check_equivalence, run_spawned, small_pattern
+from treeattn_lab.bench.ring import check_equivalence, count_digest_exchanges, run_spawned, small_pattern
 from treeattn_lab.distributed.cpu_ranks import run_cases, spawn
 from treeattn_lab.distributed.layouts import RingSchedule, block_owner, rank_blocks, shard, unshard
 from treeattn_lab.distributed.ring import ring_sparse_attention
@@ -83,6 +83,24 @@ def test_ranks_that_disagree_on_the_ring_fail_together_and_quickly():
         assert "rank 0 holds 96 tokens under the striped layout, got 95" in rejected["message"]
         assert fine["ok"], fine
         _assert_close([[fine["value"]]], TOL)
+
+
+@pytest.mark.xdist_group("ring")
+def test_repeated_calls_agree_by_fingerprint_and_a_later_mismatch_still_fails_everywhere():
+    """Calls with the same pattern and settings exchange no digests (one fingerprint all-reduce each);
+    a rank that then passes another layout makes every rank raise at once, naming the holders."""
+    started = time.monotonic()
+    per_rank = spawn(3, run_cases, {"fn": count_digest_exchanges,
+                                    "cases": [dict(calls=3), dict(calls=2, fault_rank=1)]},
+                     timeout_s=200, collective_timeout_s=120)
+    assert time.monotonic() - started < 110, "a rank waited for the collective timeout"
+    assert all(r["ok"] for r in per_rank), per_rank
+    for rank, outcome in enumerate(per_rank):
+        clean, faulty = (case["value"] for case in outcome["value"])
+        assert clean == {"exchanges": 0, "error": None, "message": ""}, (rank, clean)
+        assert faulty["exchanges"] == 1 and faulty["error"] == "RankMismatchError", (rank, faulty)
+        assert faulty["message"].startswith(f"rank {rank}: the ranks disagree on the ring's pattern")
+        assert "ranks [0, 2] hold" in faulty["message"] and "ranks [1] hold" in faulty["message"]
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])

@@ -17,23 +17,24 @@ Backward
     on its own. The keys go around the ring a second time, *backwards*: the backward starts on the keys
     the forward ended with (kept from the forward: no transfer before the first step, at the cost of one
     more K/V shard held per call until its backward) and ends on the rank's own. Each step computes dQ
-    (accumulated locally, fp32), and dK, dV of the keys held (fresh fp32), adds the accumulator arriving
-    from the rank that held those keys one step later, and passes it on: a second ring of fp32 dK/dV
-    whose last stop is the keys' owner, computing its own part, so no transfer is left after the last
-    kernel (a ring walked forwards would end with every finished accumulator one hop from its owner).
-    The bars' dK, dV (computed at step 0) are summed over ranks with one all-reduce and added by the
-    owners.
+    (accumulated locally, fp32), and dK, dV of the keys held (written into an fp32 buffer), adds the
+    accumulator arriving from the rank that held those keys one step later, and passes it on: a second
+    ring of fp32 dK/dV whose last stop is the keys' owner, computing its own part, so no transfer is left
+    after the last kernel (a ring walked forwards would end with every finished accumulator one hop from
+    its owner). Three fp32 dK/dV buffers, allocated once per call, take turns: the one being computed
+    into, the one on its way to the next rank, the one arriving. The bars' dK, dV (computed at step 0)
+    are summed over ranks with one all-reduce and added by the owners.
 
 Hierarchical rings (``inner=ranks per node``) visit a node's ranks in an inner loop and move to the
 previous node in an outer loop; in the forward the outer transfer is posted before the inner loop, so it
 hides behind a whole inner loop of compute (the backward walks the same steps in reverse, one hop each).
 :class:`RingPlan` holds a rank's per-step kernel indices, built once per (pattern, tokens, layout, world,
-rank) and cached on the pattern.
+rank) and cached on the pattern (and the pattern's copy on the inputs' device, where it lives elsewhere).
 
-Every call is collective and starts with an agreement (:mod:`.agreement`): the ranks all-gather a digest
-of the pattern's values, the layout, the sizes and the settings, so a rank that passes another pattern
-or layout, or rejects its own input, makes every rank raise instead of computing a wrong result or
-leaving its peers waiting.
+Every call is collective and starts with a quick agreement (:func:`.agreement.agree`): the ranks
+compare a fingerprint of a digest of the pattern's values, the layout, the sizes and the settings in one
+small all-reduce, so a rank that passes another pattern or layout, or rejects its own input, makes every
+rank raise instead of computing a wrong result or leaving its peers waiting.
 
 Per-step math comes from a *step backend*: ``"triton"`` (the kernel) or ``"reference"`` (an einops twin,
 for CPU tests without the interpreter's cost).
@@ -151,8 +152,6 @@ class ReferenceStep:
 
     @staticmethod
     def forward(q, k, v, bar_k, bar_v, index, scale, state):
-        from ..reference import merge_attention_states
-
         if index.bar_pos is None:  # a step without the bar part
             bar_k, bar_v = bar_k[:, :0], bar_v[:, :0]
         s, group = ReferenceStep._scores(q, k, bar_k, index, scale)
@@ -160,10 +159,13 @@ class ReferenceStep:
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
         vq = torch.cat([v.repeat_interleave(group, dim=1).transpose(0, 1), bar_v], dim=1)  # [H, S + nb, D]
         out = einsum(p, vq, "h t s, h s d -> t h d")
-        o, lse2 = state
-        merged, lse_new = merge_attention_states(o, (lse2 * LN2).T, out.to(o.dtype), lse.T.to(lse2.dtype))
-        o.copy_(merged)
-        lse2.copy_(lse_new.T / LN2)
+        o, lse2 = state  # the log-sum-exp rule of merge_attention_states, in base 2 and in place
+        step2 = (lse / LN2).to(lse2.dtype)
+        union = torch.logaddexp2(lse2, step2)
+        safe = torch.where(torch.isinf(union), 0.0, union)  # rows no key has reached yet: weights 0
+        o.mul_(torch.exp2(lse2 - safe).T[..., None])
+        o.add_(out.to(o.dtype) * torch.exp2(step2 - safe).T[..., None])
+        lse2.copy_(union)
         return o, lse2
 
     @staticmethod
@@ -204,9 +206,10 @@ class _Transfers:
         self.group = group
         self.works = []
 
-    def exchange(self, send_to: int, recv_from: int, tensors, tag: int):
-        """Send ``tensors`` to rank ``send_to`` and receive the same shapes from ``recv_from``."""
-        received = [torch.empty_like(x) for x in tensors]
+    def exchange(self, send_to: int, recv_from: int, tensors, tag: int, into=None):
+        """Send ``tensors`` to rank ``send_to`` and receive the same shapes from ``recv_from`` (into the
+        buffers ``into`` when given, which nothing may read or write until :meth:`wait`)."""
+        received = [torch.empty_like(x) for x in tensors] if into is None else list(into)
         ops = []
         for j, x in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, x.contiguous(), self._peer(send_to), self.group, tag + j))
@@ -279,6 +282,10 @@ def _ring_backward(do, q, k, v, last_kv, bar_k, bar_v, o, lse2, plan: RingPlan, 
     dq = torch.zeros(q.shape, device=q.device, dtype=acc_dtype)
     kv_comm, dkv_comm = _Transfers(group), _Transfers(group)
     cur = list(last_kv)
+    # fp32 dK/dV buffers: computed into, on its way to the next rank (until dkv_comm.wait()), arriving
+    computing, *free = [[torch.empty(x.shape, device=x.device, dtype=acc_dtype) for x in (k, v)]
+                        for _ in range(3 if plan.world > 1 else 1)]
+    sent = None  # the accumulator passed on at the previous step
     incoming = None  # the dK, dV accumulator of the keys held, from the rank that held them at step t + 1
     dbar = (None, None)
     for t in reversed(range(plan.world)):
@@ -286,18 +293,19 @@ def _ring_backward(do, q, k, v, last_kv, bar_k, bar_v, o, lse2, plan: RingPlan, 
         if t > 0:  # step t - 1's keys: from their holder at step t; ours go to theirs at step t - 1
             to, frm = sched.holder(origin, t - 1), sched.holder(sched.origin(plan.rank, t - 1), t)
             nxt = kv_comm.exchange(to, frm, cur, _TAG_KV)
-        dk = torch.empty(k.shape, device=k.device, dtype=acc_dtype)
-        dv = torch.empty(v.shape, device=v.device, dtype=acc_dtype)
+        dk, dv = computing
         dbk, dbv = step.backward(do, q, cur[0], cur[1], bar_k, bar_v, lse2, delta, plan.steps[t], scale,
                                  dq, dk, dv)
         if t == 0:
             dbar = (dbk, dbv)
         if incoming is not None:
-            dkv_comm.wait()
+            dkv_comm.wait()  # the previous accumulator has left, this one has arrived: both free after
             dk += incoming[0]
             dv += incoming[1]
+            free = [sent, incoming]
         if t > 0:  # pass the accumulator on, receive the one of step t - 1's keys
-            incoming = dkv_comm.exchange(to, frm, [dk, dv], _TAG_DKV)
+            sent, incoming = computing, dkv_comm.exchange(to, frm, computing, _TAG_DKV, into=free[0])
+            computing = free[1]  # nothing reads it any more: added at the previous step or never used
             kv_comm.wait()
             cur = nxt
     if dbar[0] is not None:  # bar columns: sum over ranks, owners add their columns
@@ -329,6 +337,17 @@ class _RingSparseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _on_device(pattern: VerticalSlashPattern, device: torch.device) -> VerticalSlashPattern:
+    """``pattern`` on ``device``: itself, or its copy there, made once and cached on it (so the plans
+    cached on the copy are found again on the next call)."""
+    if pattern.device == device:
+        return pattern
+    key = ("on_device", str(device))
+    if key not in pattern._cache:
+        pattern._cache[key] = pattern.to(device)
+    return pattern._cache[key]
+
+
 def _prepare(q, k, v, pattern, num_tokens, layout, inner, group, scale, backend):
     """Check this rank's arguments; returns ``(plan, scale, step backend, digest)``. The digest covers
     what every rank must pass alike: layout, tokens, ring, scale, backend, head counts, head dim, dtypes
@@ -350,7 +369,7 @@ def _prepare(q, k, v, pattern, num_tokens, layout, inner, group, scale, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     digest = sha256(layout, num_tokens, inner, world, scale, backend, pattern._cache["digest"],
                     *[(tuple(x.shape[1:]), str(x.dtype)) for x in (q, k, v)])
-    plan = ring_plan(pattern.to(q.device), num_tokens, layout, rank, world, inner=inner)
+    plan = ring_plan(_on_device(pattern, q.device), num_tokens, layout, rank, world, inner=inner)
     if q.shape[0] != plan.num_local:
         raise ValueError(
             f"rank {rank} holds {plan.num_local} tokens under the {layout} layout, got {q.shape[0]}"
@@ -387,7 +406,8 @@ def ring_sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, num_tokens:
         error = e
     agree(None if prepared is None else prepared[3], None if error is None else describe(error),
           monitor_group(group), what="the ring's pattern, layout, sizes or settings", cause=error,
-          hint="every rank must pass the same pattern and arguments, and its own shard of the sequence")
+          hint="every rank must pass the same pattern and arguments, and its own shard of the sequence",
+          quick=True)
     plan, scale, step, _ = prepared
     q, k, v = (x.contiguous() for x in (q, k, v))
     return _RingSparseAttention.apply(q, k, v, plan, scale, step, group)
