@@ -10,10 +10,18 @@ import time
 import pytest
 import torch
 
-from treeattn_lab.bench.ring import check_equivalence, count_digest_exchanges, run_spawned, small_pattern
+from treeattn_lab.bench.ring import (
+    check_equivalence,
+    count_digest_exchanges,
+    make_inputs,
+    run_spawned,
+    small_pattern,
+    step_times,
+)
 from treeattn_lab.distributed.cpu_ranks import run_cases, spawn
 from treeattn_lab.distributed.layouts import RingSchedule, block_owner, rank_blocks, shard, unshard
 from treeattn_lab.distributed.ring import ring_sparse_attention
+from treeattn_lab.distributed.simulate import simulate
 
 TOL = 1e-10  # float64 einops steps
 TRITON_TOL = 2e-5  # fp32 kernel steps
@@ -101,6 +109,39 @@ def test_repeated_calls_agree_by_fingerprint_and_a_later_mismatch_still_fails_ev
         assert faulty["exchanges"] == 1 and faulty["error"] == "RankMismatchError", (rank, faulty)
         assert faulty["message"].startswith(f"rank {rank}: the ranks disagree on the ring's pattern")
         assert "ranks [0, 2] hold" in faulty["message"] and "ranks [1] hold" in faulty["message"]
+
+
+@pytest.mark.parametrize(("backend", "dtype", "world", "layout"),
+                         [("reference", torch.float64, 3, "zigzag"), ("triton", torch.float32, 2, "striped")])
+def test_one_ranks_steps_without_communication_compute_its_shard(backend, dtype, world, layout):
+    """bench ring's per-step timing runs a rank's ring steps on one device: they must compute exactly
+    the rank's rows of the whole sequence's attention (so what is timed is what the ring runs)."""
+    from treeattn_lab.reference.sparse import sparse_attention as reference_sparse_attention
+
+    tokens = 96 if world == 3 else 64
+    q, k, v, do = make_inputs(tokens, 4, 2, 16, dtype=dtype, device=torch.device("cpu"), seed=2)
+    pattern = small_pattern(tokens, 4, 16, 2)
+    full = [x.double().requires_grad_() for x in (q, k, v)]
+    want = reference_sparse_attention(*full, pattern)
+    want.backward(do.double())
+    calls = []
+
+    def once(fn):
+        calls.append(fn())
+        return 1.0
+
+    work = simulate(pattern, tokens, world, layout).tiles
+    for rank in range(world):
+        timed = step_times(q, k, v, do, pattern, layout=layout, world=world, rank=rank, backend=backend,
+                           timer=once)
+        tol = 1e-10 if backend == "reference" else 2e-5
+        for got, expected in ((timed["out"], want.detach()), (timed["dq"], full[0].grad)):
+            assert (got.double() - shard(expected, layout, world, rank, 16)).abs().max() < tol
+        assert [s["step"] for s in timed["steps"]] == list(range(world))
+        assert [s["tiles"] for s in timed["steps"]] == work[rank].tolist()
+        assert timed["steps"][-1]["bwd_merge_ms"] == 0.0 and timed["steps"][0]["bwd_merge_ms"] == 1.0
+        assert ("fwd_merge_ms" in timed["steps"][0]) == (backend == "triton")
+        assert timed["totals"]["tiles"] == pytest.approx(float(work[rank].sum()))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])

@@ -6,7 +6,13 @@ On GPUs, under torchrun (NCCL)::
 
 checks the ring's output and gradients against the single-GPU kernel on the same inputs and times both
 (forward and forward + backward), writing ``sparse-ring__*.json``; ``--profile`` also writes each rank's
-chrome trace and GPU timeline. On CPUs (gloo; the tests spawn ranks through :func:`run_spawned`)
+chrome trace and GPU timeline. Each row also holds every rank's **steps** (:func:`step_times`): the
+rank's ring steps run one after another on its own device without communication, each step's kernels
+and merges timed, so ``per_tile_vs_single`` (the slowest rank's kernel time per tile over the one-device
+kernel's) and the merge costs show what the ring adds besides transfers. ``--steps-world K`` times the
+steps of every rank of a K-rank ring instead (on one GPU: what K GPUs would each run).
+
+On CPUs (gloo; the tests spawn ranks through :func:`run_spawned`)
 :func:`check_equivalence` compares against the einops reference, and can make one rank pass inputs that
 disagree with its peers' (``rank_faults``) to check that every rank then raises.
 """
@@ -14,9 +20,11 @@ disagree with its peers' (``rank_faults``) to check that every rank then raises.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,8 +32,9 @@ import torch.distributed as dist
 
 from ..distributed.cpu_ranks import run_cases, spawn
 from ..distributed.layouts import LAYOUTS, shard
-from ..distributed.ring import ring_sparse_attention
-from ..patterns.vertical_slash import VerticalSlashPattern, synthetic_pattern
+from ..distributed.ring import STEP_BACKENDS, ring_plan, ring_sparse_attention
+from ..distributed.simulate import simulate
+from ..patterns.vertical_slash import BAR_PAD, VerticalSlashPattern, synthetic_pattern
 from .harness import add_out_argument, choice_list, positive_int
 
 
@@ -136,6 +145,90 @@ def run_spawned(world: int, cases: list[dict], *, timeout: float = 120.0) -> lis
     return results
 
 
+# ------------------------------------------------------------------------------- one rank's ring steps
+def bar_columns(k, v, index):
+    """The bar columns' keys and values ``[Hq, nb, D]`` of a whole sequence's ``k, v``: what the ring's
+    all-reduce gathers (zeros in the padding)."""
+    hq = index.num_heads
+    if index.bar_pos is None:
+        empty = k.new_zeros(hq, 0, k.shape[-1])
+        return empty, empty
+    pos = index.bar_pos.long()
+    valid = pos != BAR_PAD
+    kv_head = (torch.arange(hq, device=k.device) // (hq // k.shape[1]))[:, None].expand_as(pos)
+    rows = torch.where(valid, pos, 0)
+    return [torch.where(valid[..., None], x[rows, kv_head], 0) for x in (k, v)]
+
+
+def step_times(q, k, v, do, pattern, *, layout: str, world: int, rank: int, backend: str = "triton",
+               timer=None) -> dict:
+    """Rank ``rank``'s steps of a ``world``-rank ring on this device, one after another and without
+    communication (the keys of every origin are sharded from the whole sequence's ``k, v``).
+
+    Per step: ``tiles`` (tile-equivalents, :func:`treeattn_lab.distributed.simulate.simulate`),
+    ``fwd_ms`` (the kernel folding its tiles into the running fp32 state), ``fwd_merge_ms`` (that minus
+    the same tiles into a fresh output: what merging costs; triton only), ``bwd_ms`` (dQ accumulated,
+    dK/dV of the keys held) and ``bwd_merge_ms`` (adding the arriving dK/dV accumulator; 0 at the first
+    backward step, which receives none). Also the totals, and for checking the rank's output ``out`` and
+    ``dq`` (its dQ where ``timer`` runs each call once; :func:`.harness.time_ms`, the default on the
+    inputs' device, repeats them, adding dQ again each time).
+    """
+    from .harness import time_ms
+
+    timer = timer or (lambda fn: time_ms(fn, device=q.device))
+    step = STEP_BACKENDS[backend]
+    n, bs = q.shape[0], pattern.block_size
+    plan = ring_plan(pattern, n, layout, rank, world)
+    q_r, do_r = (shard(x, layout, world, rank, bs) for x in (q, do))
+    origins = [plan.schedule.origin(rank, t) for t in range(world)]
+    keys = [[shard(x, layout, world, o, bs) for x in (k, v)] for o in origins]
+    bar_k, bar_v = bar_columns(k, v, plan.steps[0])
+    tiles = simulate(pattern, n, world, layout).tiles[rank].tolist()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    state = (torch.zeros(q_r.shape, device=q.device, dtype=acc),
+             torch.full((q.shape[1], q_r.shape[0]), float("-inf"), device=q.device, dtype=acc))
+    rows = []
+    for t in range(world):  # the forward, merging every step into the state as the ring does
+        args = (q_r, *keys[t], bar_k, bar_v, plan.steps[t], scale)
+        scratch = tuple(x.clone() for x in state)
+        row = {"step": t, "tiles": tiles[t], "fwd_ms": timer(partial(step.forward, *args, scratch))}
+        if backend == "triton":
+            from ..kernels.block_sparse import sparse_forward
+
+            fresh = timer(partial(sparse_forward, *args[:6], scale=scale))
+            row["fwd_merge_ms"] = row["fwd_ms"] - fresh
+        step.forward(*args, state)
+        rows.append(row)
+    out = state[0].to(q.dtype)
+    delta = step.delta(out, do_r)
+    dq = torch.zeros(q_r.shape, device=q.device, dtype=acc)
+    dkv, incoming = ([torch.empty(x.shape, device=x.device, dtype=acc) for x in keys[0]] for _ in range(2))
+
+    def merge():  # what a backward step does with the accumulator arriving from the next holder
+        for mine, theirs in zip(dkv, incoming, strict=True):
+            mine.add_(theirs)
+
+    for t in reversed(range(world)):  # the backward walks the ring in reverse
+        args = (do_r, q_r, *keys[t], bar_k, bar_v, state[1], delta, plan.steps[t], scale, dq, *dkv)
+        rows[t]["bwd_ms"] = timer(partial(step.backward, *args))
+        rows[t]["bwd_merge_ms"] = 0.0 if t == world - 1 else timer(merge)
+    keys = ("tiles", "fwd_ms", "fwd_merge_ms", "bwd_ms", "bwd_merge_ms")
+    totals = {key: sum(r.get(key, 0.0) for r in rows) for key in keys}
+    return {"rank": rank, "steps": rows, "totals": totals, "out": out, "dq": dq}
+
+
+def per_tile_vs_single(ranks: list[dict], single: dict, pattern, num_tokens: int) -> dict:
+    """The slowest rank's step kernel time per tile over the one-device kernel's (forward, and forward +
+    backward): 1.0 means the ring's kernels run at the one-device per-tile speed."""
+    single_tiles = float(simulate(pattern, num_tokens, 1, "contiguous").tiles.sum())
+    fwd = max(r["totals"]["fwd_ms"] / r["totals"]["tiles"] for r in ranks if r["totals"]["tiles"])
+    both = max((r["totals"]["fwd_ms"] + r["totals"]["bwd_ms"] + r["totals"]["bwd_merge_ms"])
+               / r["totals"]["tiles"] for r in ranks if r["totals"]["tiles"])
+    return {"per_tile_vs_single_fwd": fwd / (single["fwd_ms"] / single_tiles),
+            "per_tile_vs_single_fwd_bwd": both / (single["fwd_bwd_ms"] / single_tiles)}
+
+
 # ------------------------------------------------------------------------------------------ torchrun
 def _timed(fn, reps: int, group) -> float:
     """Median ms of ``fn()`` across ranks in step (barrier before and after each run)."""
@@ -192,6 +285,9 @@ def _parse_args(argv):
     add_out_argument(parser)
     parser.add_argument("--high-priority", action="store_true",
                         help="NCCL on high-priority streams: transfers start ahead of queued kernel blocks")
+    parser.add_argument("--steps-world", type=positive_int, default=None,
+                        help="time the ring steps of every rank of a ring of this many ranks, spread over "
+                             "this run's ranks (default: this run's world, each rank its own steps)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one fwd+bwd of the first layout: rank 0 prints its top GPU ops, "
                              "every rank writes a chrome trace and a GPU timeline next to the results")
@@ -264,6 +360,27 @@ def _ring_layout(layout, inputs, want, pattern, *, rank, world, reps):
     return row, ring_fwd_bwd
 
 
+def _steps_row(inputs, want, pattern, single, *, layout, rank, world, steps_world) -> dict:
+    """Every rank's :func:`step_times` of a ``steps_world``-rank ring (each of this run's ranks times its
+    share of them), gathered on every rank: the steps, the per-tile ratios and the largest relative error
+    of the steps' outputs against the one-device kernel's."""
+    q, k, v, do = inputs
+    backend = "triton" if q.device.type == "cuda" else "reference"
+    mine, err = [], 0.0
+    for r in range(rank, steps_world, world):
+        timed = step_times(q, k, v, do, pattern, layout=layout, world=steps_world, rank=r, backend=backend)
+        w = shard(want[0], layout, steps_world, r, pattern.block_size).float()
+        err = max(err, float((timed.pop("out").float() - w).norm() / w.norm().clamp_min(1e-30)))
+        del timed["dq"]
+        mine.append(timed)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"ranks": mine, "err": err})
+    ranks = sorted((r for g in gathered for r in g["ranks"]), key=lambda r: r["rank"])
+    merge_ms = max(r["totals"]["bwd_merge_ms"] for r in ranks) / max(1, steps_world - 1)
+    return {"steps_world": steps_world, "steps": ranks, "steps_rel_err_out": max(g["err"] for g in gathered),
+            **per_tile_vs_single(ranks, single, pattern, q.shape[0]), "bwd_merge_ms_per_step": merge_ms}
+
+
 def _report(rows, *, world, args, dtype, pattern) -> None:
     from .harness import environment, print_table, write_results
 
@@ -272,7 +389,10 @@ def _report(rows, *, world, args, dtype, pattern) -> None:
     env["nccl_high_priority_streams"] = bool(args.high_priority)
     columns = [("layout", "layout"), ("tokens", "tokens"), ("single_fwd_bwd_ms", "1 GPU fwd+bwd ms"),
                ("ring_fwd_bwd_ms", f"ring x{world} fwd+bwd ms"), ("fwd_bwd_speedup", "fwd+bwd x 1 GPU"),
-               ("fwd_speedup", "fwd x 1 GPU"), ("rel_err_out", "err out"), ("rel_err_dk", "err dk")]
+               ("fwd_speedup", "fwd x 1 GPU"), ("rel_err_out", "err out"), ("rel_err_dk", "err dk"),
+               ("per_tile_vs_single_fwd", "fwd per tile x 1 GPU"),
+               ("per_tile_vs_single_fwd_bwd", "fwd+bwd per tile x 1 GPU"),
+               ("bwd_merge_ms_per_step", "dK/dV merge ms/step")]
     print_table(f"sparse ring attention over {world} ranks, {env['device']}", columns, rows)
     path = write_results("sparse-ring", rows, env, directory=Path(args.out) if args.out else None,
                          extra={"dtype": str(dtype), "heads": args.heads, "head_dim": args.dim,
@@ -294,12 +414,14 @@ def main(argv=None) -> int:
     for layout in args.layouts:
         row, fwd_bwd = _ring_layout(layout, inputs, want, pattern, rank=rank, world=world, reps=args.reps)
         profiled.append(fwd_bwd)
+        steps = _steps_row(inputs, want, pattern, single, layout=layout, rank=rank, world=world,
+                           steps_world=args.steps_world or world)
         rows.append({"tokens": args.tokens, "world": world, "layout": layout,
                      "single_fwd_ms": single["fwd_ms"], "single_fwd_bwd_ms": single["fwd_bwd_ms"],
                      "ring_fwd_ms": row["ring_fwd_ms"], "ring_fwd_bwd_ms": row["ring_fwd_bwd_ms"],
                      "fwd_speedup": single["fwd_ms"] / row["ring_fwd_ms"],
                      "fwd_bwd_speedup": single["fwd_bwd_ms"] / row["ring_fwd_bwd_ms"],
-                     **{k: v for k, v in row.items() if k.startswith("rel_err_")}})
+                     **{k: v for k, v in row.items() if k.startswith("rel_err_")}, **steps})
     if rank == 0:
         _report(rows, world=world, args=args, dtype=dtype, pattern=pattern)
     if args.profile:  # after the results are written: a profiler failure cannot lose them
