@@ -5,6 +5,7 @@ partitioner never worse than the anchor (measured targets on the bundled sets at
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -324,3 +325,32 @@ def test_engine_cost_rejects_bad_settings():
     with pytest.raises(ValueError, match="block_tokens must be at least 1"):
         EngineCost(block_tokens=0)
     assert TokenCost().unit == "tokens"
+
+
+def test_bench_balance_costs_ranks_with_a_saved_cost_model(tmp_path):
+    """``bench balance --cost-model``: a saved model or a results file holding one; with a host floor the
+    rows count the host-bound micro-batches, and the makespan includes their floor."""
+    from treeattn_lab.bench.balance import load_cost_model
+
+    theta = [1e-3, 1e-6, 1e-10, 0.0]
+    model = CostModel(
+        time={m: theta for m in ("flat", "packed", "dfs")},
+        host={m: [0.05, 0.0] for m in ("flat", "packed", "dfs")},
+        calibrated=True,
+    )
+    saved, wrapped, broken = tmp_path / "model.json", tmp_path / "train.json", tmp_path / "other.json"
+    saved.write_text(json.dumps(model.to_dict()))
+    wrapped.write_text(json.dumps({"rows": [], "cost_model": model.to_dict()}))
+    broken.write_text(json.dumps({"rows": []}))
+    assert load_cost_model(saved).to_dict() == load_cost_model(wrapped).to_dict() == model.to_dict()
+    with pytest.raises(ValueError, match="other.json holds no saved cost model"):
+        load_cost_model(broken)
+    cost = EngineCost(load_cost_model(wrapped), mode="packed", block_tokens=4096)
+    rows = simulate(["grpo_math"], (2,), (BEST,), cost=cost, token_budget=32768)
+    (row,) = rows
+    assert row["unit"] == "seconds" and len(row["micro_batches"]) == 2
+    assert row["host_bound"] == sum(row["host_bound_micro_batches"]) >= 1  # each share's small last one
+    report = balance(load_trie("grpo_math"), 2, BEST, cost=cost, token_budget=32768)
+    for share in report.shares:
+        assert all(c >= 0.05 for c in share.micro_batch_costs)  # no micro-batch below the host floor
+    assert row["makespan"] == pytest.approx(report.makespan)

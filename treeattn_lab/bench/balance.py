@@ -14,12 +14,18 @@ The larger tries:
 
 Command line: ``python -m treeattn_lab bench balance`` (or ``python -m treeattn_lab.bench.balance``)
 prints a table per set and writes ``bench/results/balance__*.json``; ``--quick`` runs the bundled sets at
-K = 2, 4, 8, 16 only.
+K = 2, 4, 8, 16 only. ``--cost-model FILE`` (a saved :class:`~treeattn_lab.engine.CostModel`, or a
+results file holding one under ``"cost_model"``, such as ``bench train``'s) costs every rank in the
+engine's predicted seconds instead of tokens (:class:`~treeattn_lab.distributed.costs.EngineCost`, with
+``--mode`` and ``--block-tokens`` as the engine will run): each micro-batch the larger of its host and
+device terms, the micro-batches cut by that model's planner, and the rows count each rank's
+micro-batches and those predicted host-bound.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import re
@@ -27,7 +33,8 @@ import time
 from pathlib import Path
 
 from ..datasets import DATASETS, generate, load_trie
-from ..distributed.balance import ANCHOR, BEST, PARTITIONERS, TokenCost, balance
+from ..distributed.balance import ANCHOR, BEST, PARTITIONERS, EngineCost, TokenCost, balance
+from ..engine import MODES, CostModel
 from ..trie import RolloutTrie
 from .harness import (
     add_out_argument,
@@ -119,12 +126,15 @@ def simulate(
             group = []
             for p in partitioners:
                 report = balance(trie, k, p, cost=cost, token_budget=token_budget, exact=exact)
+                row = report.row()
                 group.append(
                     {
                         "set": name,
                         "num_sequences": stats["num_sequences"],
                         "tree_tokens": stats["tree_tokens"],
-                        **report.row(),
+                        **row,
+                        "max_micro_batches": max(row["micro_batches"]),
+                        "host_bound": sum(row["host_bound_micro_batches"]),
                     }
                 )
             anchor = next((r for r in group if r["partitioner"] == ANCHOR), None)
@@ -176,6 +186,18 @@ def targets(rows: list[dict], best: str = BEST) -> list[dict]:
     return out
 
 
+def load_cost_model(path: str | Path) -> CostModel:
+    """A saved :class:`CostModel` (:meth:`CostModel.to_dict`), or the one a results file keeps under
+    ``"cost_model"``; ValueError naming the file where it holds neither."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if isinstance(data, dict) and "time" not in data and isinstance(data.get("cost_model"), dict):
+        data = data["cost_model"]
+    try:
+        return CostModel.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path} holds no saved cost model ({e})") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m treeattn_lab bench balance",
@@ -187,15 +209,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitioners", type=choice_list(PARTITIONERS), default=list(PARTITIONERS))
     parser.add_argument("--token-budget", type=positive_int, default=None, help="tree tokens per micro-batch")
     parser.add_argument("--quick", action="store_true", help="bundled sets, K = 2, 4, 8, 16")
+    parser.add_argument(
+        "--cost-model", default=None, help="a saved cost model (or a results file with one): cost in seconds"
+    )
+    parser.add_argument("--mode", default="auto", choices=("auto",) + MODES, help="with --cost-model")
+    parser.add_argument("--block-tokens", type=positive_int, default=4096, help="with --cost-model")
     add_out_argument(parser)
     args = parser.parse_args(argv)
+    cost = TokenCost()
+    if args.cost_model:
+        try:
+            model = load_cost_model(args.cost_model)
+        except (OSError, ValueError) as e:
+            parser.error(f"--cost-model: {e}")
+        cost = EngineCost(model, mode=args.mode, block_tokens=args.block_tokens)
     sets = list(DATASETS) if args.quick else args.sets.split(",")
     ks = (2, 4, 8, 16) if args.quick else tuple(args.ks)
     partitioners = args.partitioners
     unknown = [s for s in sets if not is_set_name(s)]
     if unknown:
         parser.error(f"unknown sets {unknown}: use one of {DATASETS}, '<set>_x<copies>' or 'random_forest'")
-    rows = simulate(sets, ks, partitioners, token_budget=args.token_budget, progress=True)
+    rows = simulate(sets, ks, partitioners, cost=cost, token_budget=args.token_budget, progress=True)
     columns = [
         ("num_ranks", "K"),
         ("partitioner", "partitioner"),
@@ -204,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         ("makespan_over_bound", "x bound"),
         ("makespan_vs_anchor", "x anchor"),
         ("replicated_fraction", "replicated"),
+        ("max_micro_batches", "micro-batches (max)"),
+        ("host_bound", "host-bound"),
         ("partition_s", "s"),
     ]
     for name in sets:
         print_table(
-            f"{name}: makespan in tokens, imbalance = max / mean",
+            f"{name}: makespan in {cost.unit}, imbalance = max / mean",
             columns,
             [r for r in rows if r["set"] == name],
         )
@@ -223,7 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         env,
         directory=Path(args.out) if args.out else None,
-        extra={"token_budget": args.token_budget, "cost": "tokens", "targets": checks},
+        extra={
+            "token_budget": args.token_budget,
+            "cost": cost.unit,
+            "cost_model": cost.cost_model.to_dict() if isinstance(cost, EngineCost) else None,
+            "mode": args.mode if isinstance(cost, EngineCost) else None,
+            "block_tokens": args.block_tokens if isinstance(cost, EngineCost) else None,
+            "targets": checks,
+        },
     )
     print(f"wrote {path}")
     return 0
