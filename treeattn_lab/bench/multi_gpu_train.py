@@ -10,7 +10,10 @@ real rollouts (:func:`treeattn_lab.distributed.probe.refine_cost_model`; ``--no-
 times training steps (:func:`treeattn_lab.distributed.step.run_step` + AdamW) for the anchor partitioner
 and this lab's, records each rank's measured compute time beside its predictions (the refined model's and
 the calibration's alone), times the same step on one GPU alone for the throughput ratio, checks the
-targets (:func:`targets`) and writes ``multi-gpu-train-<K>x__<device>__*.json``. ``NCCL_NVLS_ENABLE=0``
+targets (:func:`targets`) and writes ``multi-gpu-train-<K>x__<device>__*.json``. Each row also counts
+every rank's micro-batches and those the model predicts host-bound, and gives the prediction of the
+device terms alone (``predicted_makespan_device_only_s``: the cost model without its host floor), so the
+host term's share of the prediction error shows. ``NCCL_NVLS_ENABLE=0``
 (NVLink multicast off) is also set by :func:`treeattn_lab.distributed.init_distributed` when unset. On a
 CPU, ``--model tiny`` on a small subset runs the same code with gloo.
 """
@@ -131,6 +134,27 @@ def _cost_models(model, trie, args, run: dict, *, rank: int) -> tuple[CostModel,
     return calibrated, refined, probe
 
 
+def _device_only(cost_model: CostModel) -> CostModel:
+    """``cost_model`` without its host floor: every micro-batch costs its device term."""
+    data = cost_model.to_dict()
+    data["host"] = {m: [0.0] * len(h) for m, h in data["host"].items()}
+    return CostModel.from_dict(data)
+
+
+def _predictions(shares, calibrated: CostModel, plan_model: CostModel, shape: dict) -> dict:
+    """Per rank: the calibration's prediction of what the plan runs, with and without the host floor;
+    and its micro-batches and host-bound ones (as the planning model predicts them)."""
+    device_only = _device_only(calibrated)
+    with_host = [predicted_for_modes_run(calibrated, plan_model, s.micro_batches, **shape) for s in shares]
+    without = [predicted_for_modes_run(device_only, plan_model, s.micro_batches, **shape) for s in shares]
+    return {
+        "per_rank_predicted_calibrated_s": with_host,
+        "predicted_makespan_device_only_s": max(without),
+        "per_rank_micro_batches": [len(s.micro_batches) for s in shares],
+        "per_rank_host_bound": [s.host_bound for s in shares],
+    }
+
+
 def _timed_steps(model, optimizer, step, *, steps: int, warmup: int) -> list:
     """Run ``step()`` (returning a result) warmup + steps times, all ranks starting together:
     ``[(seconds, result)]`` of the timed ones."""
@@ -164,10 +188,8 @@ def _partitioner_row(name, model, optimizer, trie, args, run, engine, calibrated
     makespan = _median([r.measured_makespan for _, r in timed])
     report = plan.balance
     shape = {"mode": args.mode, "block_tokens": run["block_tokens"], "token_budget": run["token_budget"]}
-    calibrated_per_rank = [
-        predicted_for_modes_run(calibrated, engine["cost_model"], share.micro_batches, **shape)
-        for share in report.shares
-    ]
+    predicted = _predictions(report.shares, calibrated, engine["cost_model"], shape)
+    calibrated_per_rank = predicted["per_rank_predicted_calibrated_s"]
     row = {
         "partitioner": name,
         "ranks": world,
@@ -185,7 +207,8 @@ def _partitioner_row(name, model, optimizer, trie, args, run, engine, calibrated
         "per_rank_predicted_s": report.costs,
         "predicted_makespan_calibrated_s": max(calibrated_per_rank),
         "prediction_error_calibrated": makespan / max(calibrated_per_rank) - 1,
-        "per_rank_predicted_calibrated_s": calibrated_per_rank,
+        **predicted,
+        "prediction_error_device_only": makespan / predicted["predicted_makespan_device_only_s"] - 1,
         "modes": sorted({m for _, r in timed if r.local for m in r.local.modes}),
     }
     return row, timed[-1][1].timeline()
@@ -210,14 +233,9 @@ def _single_device_row(model, optimizer, trie, args, run, engine, calibrated) ->
     )
     step_s = _median([t for t, _ in timed])
     compute = _median([r.report.time_s for _, r in timed])
-    calibrated_single = predicted_for_modes_run(
-        calibrated,
-        cost_model,
-        single_plan.shares[0].micro_batches,
-        mode=args.mode,
-        block_tokens=block_tokens,
-        token_budget=token_budget,
-    )
+    shape = {"mode": args.mode, "block_tokens": block_tokens, "token_budget": token_budget}
+    predicted = _predictions(single_plan.shares, calibrated, cost_model, shape)
+    calibrated_single = predicted["per_rank_predicted_calibrated_s"][0]
     return {
         "partitioner": "one device",
         "ranks": 1,
@@ -228,6 +246,8 @@ def _single_device_row(model, optimizer, trie, args, run, engine, calibrated) ->
         "prediction_error": compute / single_plan.makespan - 1,
         "predicted_makespan_calibrated_s": calibrated_single,
         "prediction_error_calibrated": compute / calibrated_single - 1,
+        **predicted,
+        "prediction_error_device_only": compute / predicted["predicted_makespan_device_only_s"] - 1,
         "modes": sorted({m for _, r in timed for m in r.report.modes}),
     }
 
@@ -280,6 +300,7 @@ COLUMNS = [
     ("prediction_error", "error"),
     ("predicted_makespan_calibrated_s", "calib. pred. s"),
     ("prediction_error_calibrated", "calib. error"),
+    ("prediction_error_device_only", "no-host error"),
     ("measured_imbalance", "imbalance"),
     ("predicted_imbalance", "predicted imb."),
     ("reduce_s", "all-reduce s"),
