@@ -272,9 +272,9 @@ def run_attention(apply, q, k, v, *, scale=None, return_lse: bool = False):
 
 # --------------------------------------------------------------------------------------- custom ops
 # The attention kernels run as ``torch.library`` custom ops (namespace ``treeattn_lab``): a forward op
-# ``(q, k, v, *rest) -> (out, lse2)`` and a backward op ``(do, q, k, v, out, lse2, *rest) -> (dq, dk, dv)``,
-# each with a fake implementation, so ``torch.compile(fullgraph=True)`` traces a model calling them,
-# backward included. Launch configs travel as int lists, five ints per launch.
+# ``(q, k, v, *rest) -> (out, lse2, ...)`` and a backward op ``(do, q, k, v, out, lse2, ..., *rest) ->
+# (dq, dk, dv)``, each with a fake implementation, so ``torch.compile(fullgraph=True)`` traces a model
+# calling them, backward included. Launch configs travel as int lists, five ints per launch.
 def launch_ints(*launches) -> list[int]:
     """``[block_m, block_n, num_warps, num_stages, tma]`` of each :class:`~.tuning.LaunchConfig`, joined."""
     return [int(x) for launch in launches for x in (launch.block_m, launch.block_n, launch.num_warps,
@@ -289,8 +289,10 @@ def launches_of(ints) -> list:
 
 
 def register_attention_autograd(forward_op, backward_op) -> None:
-    """Register ``backward_op`` as ``forward_op``'s autograd: the forward saves ``q, k, v, out, lse2`` and
-    the tensors among ``rest`` (a list of tensors stays a list); the log-sum-exp gets no gradient."""
+    """Register ``backward_op`` as ``forward_op``'s autograd. ``forward_op(q, k, v, *rest)`` returns
+    ``(out, lse2, *saved)``; ``backward_op(do, q, k, v, out, lse2, *saved, *rest)`` returns ``(dq, dk, dv)``.
+    The forward saves q, k, v, its outputs and the tensors among ``rest`` (a list of tensors stays a list);
+    only ``out`` gets a gradient."""
     from torch.utils import _pytree
 
     def setup_context(ctx, inputs, output):
@@ -298,15 +300,17 @@ def register_attention_autograd(forward_op, backward_op) -> None:
         flat, ctx.rest_spec = _pytree.tree_flatten(rest)
         ctx.tensor_at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         ctx.rest_flat = [None if i in ctx.tensor_at else x for i, x in enumerate(flat)]
+        ctx.num_outputs = len(output)
         ctx.save_for_backward(q, k, v, *output, *(flat[i] for i in ctx.tensor_at))
 
-    def backward(ctx, do, _dlse):
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
+    def backward(ctx, do, *_):
+        saved = ctx.saved_tensors
+        outputs, tensors = saved[3:3 + ctx.num_outputs], saved[3 + ctx.num_outputs:]
         flat = list(ctx.rest_flat)
         for i, x in zip(ctx.tensor_at, tensors, strict=True):
             flat[i] = x
         rest = _pytree.tree_unflatten(flat, ctx.rest_spec)
-        dq, dk, dv = backward_op(do, q, k, v, out, lse, *rest)
+        dq, dk, dv = backward_op(do, *saved[:3], *outputs, *rest)
         no_grads = [[None] * len(x) if isinstance(x, list) and x and isinstance(x[0], torch.Tensor) else None
                     for x in rest]
         return dq, dk, dv, *no_grads

@@ -71,17 +71,16 @@ dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from . import attention_core as core
-from . import tuning
-from .bar_columns import BAR_PAD, bar_plan, bar_tensors, gather_bars, gather_index
-from .limits import check_attention_inputs
-from .tuning import SparseConfig
+from .bar_columns import BAR_PAD, gather_bars
+from .block_sparse_call import SparseCall, check_inputs, prepare, prepared, resolve_call, resolve_config
+
+__all__ = ["check_inputs", "gather_bars", "prepare", "sparse_backward", "sparse_forward",
+           "triton_sparse_attention"]
 
 _BAR_PAD = tl.constexpr(BAR_PAD)  # BAR_PAD, readable inside kernels
 
@@ -472,51 +471,19 @@ def _bsa_bwd_dkdv(
                    GROUP, BLOCK, BLOCK_M, BLOCK_N, HEAD_DIM, ACCUMULATE, DOT_PRECISION)
 
 
-# --------------------------------------------------------------------------------------- launch configs
-def _resolve(config, index) -> dict:
-    """The launches and bar steps of one call: ``config`` (a :class:`~.tuning.SparseConfig`, None fields
-    left to the defaults) over ``tuning.SPARSE`` (``tuning.SPARSE_SHORT`` for calls of at most
-    ``tuning.SPARSE_SHORT_QUERIES`` queries), tile sizes capped at the index's block size."""
-    if config is not None and not isinstance(config, SparseConfig):
-        raise TypeError(f"config must be a treeattn_lab.kernels.tuning.SparseConfig or None, got "
-                        f"{type(config).__name__} {config!r}")
-    base = tuning.SPARSE
-    if index.num_q <= tuning.SPARSE_SHORT_QUERIES:
-        base = tuning.SPARSE_SHORT.over(base)
-    cfg = config.over(base) if config is not None else base
-    block = index.block_size
-    # a program never spans more than one block of the index
-    out = {name: getattr(cfg, name).replace(block_m=min(getattr(cfg, name).block_m, block),
-                                            block_n=min(getattr(cfg, name).block_n, block))
-           for name in ("fwd", "dq", "dkdv")}
-    out["bar"] = cfg.bar
-    out["bar_kv"] = min(cfg.bar_kv or out["dkdv"].block_n, block)  # like a key block's dK/dV program
-    out["split"] = cfg.split
-    return out
-
-
-def check_inputs(q, k, v, index) -> None:
-    """The triton backend's own limits (shapes against the index; head dims; dtypes)."""
-    check_attention_inputs(q)
-    if q.shape[0] != index.num_q or k.shape[0] != index.num_k:
-        raise ValueError(f"the index covers {index.num_q} queries x {index.num_k} keys, got q with "
-                         f"{q.shape[0]} and k with {k.shape[0]} tokens")
-    if q.shape[1] != index.num_heads:
-        raise ValueError(f"the index has {index.num_heads} heads but q has {q.shape[1]}")
-
-
-def prepare(index, config=None) -> None:
-    """Build and cache everything the kernels derive from ``index`` (a benchmark times it apart)."""
-    cfg = _resolve(config, index)
-    if index.bar_pos is not None:
-        bar_plan(index, cfg["bar_kv"])
-
-
 # --------------------------------------------------------------------------------------- launches
-def _common(index):
-    return dict(NQ=index.num_q, NQB=index.q_blocks.numel(),
-                NKG=0 if index.bar_skip is None else index.bar_skip.shape[-1],
-                NB=0 if index.bar_pos is None else index.bar_pos.shape[1])
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def _call(q, k, index, config) -> SparseCall:
+    return resolve_call(index, config, q.device, q.shape[1] // k.shape[1], _num_sms(q.device))
+
+
+def _common(c: SparseCall):
+    return dict(NQ=c.num_q, NQB=c.q_blocks.numel(), NKG=c.num_key_groups, NB=c.num_bars)
 
 
 def sparse_forward(q, k, v, bar_k, bar_v, index, *, scale: float, state=None, config=None):
@@ -526,39 +493,32 @@ def sparse_forward(q, k, v, bar_k, bar_v, index, *, scale: float, state=None, co
     With ``state=(out_fp32 [Nq, Hq, D], lse2)`` the call merges into that running state in place (a ring
     step) and returns it.
     """
-    bs = index.block_size
-    cfg = _resolve(config, index)
-    launch = cfg["fwd"]
+    return _forward(q, k, v, bar_k, bar_v, _call(q, k, index, config), scale, state)
+
+
+def _forward(q, k, v, bar_k, bar_v, c: SparseCall, scale, state):
+    bs, launch = c.block_size, c.fwd
     nq, hq, d = q.shape
-    has_bars = index.bar_pos is not None and bar_k.shape[1] > 0
+    has_bars = c.index_bars and bar_k.shape[1] > 0
     if state is None:
         o = torch.empty_like(q)
         lse = torch.empty((hq, nq), device=q.device, dtype=torch.float32)
     else:
         o, lse = state
-    (bar_pos, bar_count, bar_clean, bar_skip, _, _), _ = bar_tensors(index, q.device, cfg["bar_kv"])
     bk = bar_k if has_bars else q.new_zeros(1, 1, d)
     bv = bar_v if has_bars else q.new_zeros(1, 1, d)
-    _bsa_fwd[(index.q_blocks.numel() * (bs // launch.block_m), hq)](
+    _bsa_fwd[(c.q_blocks.numel() * (bs // launch.block_m), hq)](
         q, k, v, bk, bv, o, lse,
-        index.q_blocks, index.k_blocks, index.row_ptr, index.row_idx, bar_pos, bar_count, bar_clean, bar_skip,
-        NK=index.num_k, **_common(index),
+        c.q_blocks, c.k_blocks, c.row_ptr, c.row_idx, c.bar_pos, c.bar_count, c.bar_clean, c.bar_skip,
+        NK=c.num_k, **_common(c),
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
         stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=o.stride(0), stride_oh=o.stride(1),
         stride_bh=bk.stride(0), stride_bt=bk.stride(1), qk_scale=scale * core.LOG2E,
         GROUP=hq // k.shape[1], BLOCK=bs, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        BAR=min(cfg["bar"] or launch.block_n, bs), HEAD_DIM=d, HAS_BARS=has_bars, MERGE=state is not None,
+        BAR=min(c.bar or launch.block_n, bs), HEAD_DIM=d, HAS_BARS=has_bars, MERGE=state is not None,
         DOT_PRECISION=core.dot_precision(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return o, lse
-
-
-def _split(plan, index, bar_kv: int, device) -> int:
-    """Pieces per bar chunk: the longest bar program at most half of one SM's fair share of the launch."""
-    units = bar_kv / index.block_size  # a (query block, chunk) pair against a tile pair
-    total = index.num_tiles + plan.pairs * units
-    longest = plan.longest * units
-    return max(1, min(16, math.ceil(2 * longest * _num_sms(device) / max(total, 1))))
 
 
 def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: float, dq=None, dk=None, dv=None,
@@ -570,50 +530,52 @@ def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: floa
     ``accumulate_q`` / ``accumulate_kv``; otherwise fresh tensors of the inputs' dtype are returned.
     ``d_bar_k, d_bar_v`` are fp32 ``[Hq, nb, D]`` (None without bars).
     """
-    bs = index.block_size
-    cfg = _resolve(config, index)
+    return _backward(do, q, k, v, bar_k, bar_v, lse, delta, _call(q, k, index, config), scale=scale, dq=dq,
+                     dk=dk, dv=dv, accumulate_q=accumulate_q, accumulate_kv=accumulate_kv)
+
+
+def _backward(do, q, k, v, bar_k, bar_v, lse, delta, c: SparseCall, *, scale, dq=None, dk=None, dv=None,
+              accumulate_q=False, accumulate_kv=False):
+    bs = c.block_size
     nq, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     dot = core.dot_precision(q.dtype)
-    has_bars = index.bar_pos is not None and bar_k.shape[1] > 0
-    bar_kv = cfg["bar_kv"]
-    (bar_pos, bar_count, bar_clean, bar_skip, bar_first, bar_clean_from), plan = bar_tensors(index, q.device,
-                                                                                             bar_kv)
+    has_bars = c.index_bars and bar_k.shape[1] > 0
     bk = bar_k if has_bars else q.new_zeros(1, 1, d)
     bv = bar_v if has_bars else q.new_zeros(1, 1, d)
     acc_q, acc_kv = accumulate_q and dq is not None, accumulate_kv and dk is not None
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    common = _common(index)
+    common = _common(c)
     dq = torch.empty_like(q) if dq is None else dq
-    launch = cfg["dq"]
-    _bsa_bwd_dq[(index.q_blocks.numel() * (bs // launch.block_m), hq)](
+    launch = c.dq
+    _bsa_bwd_dq[(c.q_blocks.numel() * (bs // launch.block_m), hq)](
         q, k, v, bk, bv, do, lse, delta, dq,
-        index.q_blocks, index.k_blocks, index.row_ptr, index.row_idx, bar_pos, bar_count, bar_clean,
-        bar_skip, NK=index.num_k, **common,
+        c.q_blocks, c.k_blocks, c.row_ptr, c.row_idx, c.bar_pos, c.bar_count, c.bar_clean,
+        c.bar_skip, NK=c.num_k, **common,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
         stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
         stride_dqt=dq.stride(0), stride_dqh=dq.stride(1), stride_bh=bk.stride(0), stride_bt=bk.stride(1),
         qk_scale=scale * core.LOG2E, scale=scale, GROUP=group, BLOCK=bs, BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n, BAR=min(cfg["bar"] or launch.block_n, bs), HEAD_DIM=d, HAS_BARS=has_bars,
+        BLOCK_N=launch.block_n, BAR=min(c.bar or launch.block_n, bs), HEAD_DIM=d, HAS_BARS=has_bars,
         ACCUMULATE=acc_q, DOT_PRECISION=dot, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    nb = common["NB"]
+    nb, bar_kv = common["NB"], c.bar_kv
     nchunk = triton.cdiv(nb, bar_kv) if has_bars else 0
-    split = (cfg["split"] or _split(plan, index, bar_kv, q.device)) if has_bars else 1
+    split = c.split if has_bars else 1
     bar_programs = nchunk * hq * split
     if has_bars:  # fp32 partial sums per piece; written straight into the result without a split
         dbk = torch.empty((split, hq, nb, d), device=q.device, dtype=torch.float32)
         dbv = torch.empty_like(dbk)
     else:
         dbk = dbv = torch.zeros(1, device=q.device, dtype=torch.float32)
-    launch = cfg["dkdv"]
-    nkb = index.k_blocks.numel()
+    launch = c.dkdv
+    nkb = c.k_blocks.numel()
     _bsa_bwd_dkdv[(bar_programs + nkb * (bs // launch.block_n) * hkv,)](
         q, k, v, bk, bv, do, lse, delta, dk, dv, dbk, dbv,
-        index.q_blocks, index.k_blocks, index.col_ptr, index.col_idx, bar_pos, bar_skip, bar_first,
-        bar_clean_from, NQ=index.num_q, NK=index.num_k, NQB=common["NQB"], NKB=nkb, NKG=common["NKG"], NB=nb,
+        c.q_blocks, c.k_blocks, c.col_ptr, c.col_idx, c.bar_pos, c.bar_skip, c.bar_first,
+        c.bar_clean_from, NQ=c.num_q, NK=c.num_k, NQB=common["NQB"], NKB=nkb, NKG=common["NKG"], NB=nb,
         NCHUNK=nchunk, HQ=hq, BAR_PROGRAMS=bar_programs,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
         stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
@@ -630,38 +592,57 @@ def sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index, *, scale: floa
     return dq, dk, dv, dbk.sum(0), dbv.sum(0)
 
 
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+# --------------------------------------------------------------------------------------- custom ops
+# One call runs as two ``torch.library`` custom ops over a :class:`SparseCall`'s tensors and ints: the
+# forward (which gathers the bar columns and returns them, for its backward) and the backward (which adds
+# the bar columns' gradients into dK, dV at their rows); ``torch.compile(fullgraph=True)`` traces both.
+def _bars_shape(q, c: SparseCall):
+    return (q.shape[1], c.bar_cols.shape[1] if c.index_bars else 0, q.shape[2])
 
 
-class BlockSparseAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward gathers the bars and saves (q, k, v, bar_k, bar_v, o, lse); backward
-    recomputes from lse and adds the bar columns' gradients into dK, dV at their rows."""
+@torch.library.custom_op("treeattn_lab::sparse_attention_fwd", mutates_args=())
+def sparse_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: list[torch.Tensor],
+                         scale: float, sizes: list[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, lse2 [Hq, Nq], bar_k, bar_v)``; ``call`` / ``sizes``: :meth:`SparseCall.op_args`."""
+    c = SparseCall.from_op_args(call, sizes)
+    if c.index_bars:
+        bar_k, bar_v = k[c.bar_cols, c.bar_heads], v[c.bar_cols, c.bar_heads]  # [Hq, nb, D]
+    else:
+        bar_k, bar_v = (k.new_zeros(_bars_shape(q, c)) for _ in range(2))
+    o, lse = _forward(q, k, v, bar_k, bar_v, c, scale, None)
+    return o, lse, bar_k, bar_v
 
-    @staticmethod
-    def forward(ctx, q, k, v, index, scale, config):
-        bar_k, bar_v = (x.contiguous() for x in gather_bars(k, v, index))
-        o, lse = sparse_forward(q, k, v, bar_k, bar_v, index, scale=scale, config=config)
-        ctx.save_for_backward(q, k, v, bar_k, bar_v, o, lse)
-        ctx.index, ctx.scale, ctx.config = index, scale, config
-        ctx.mark_non_differentiable(lse)
-        return o, lse
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, bar_k, bar_v, o, lse = ctx.saved_tensors
-        do = do.contiguous()
-        delta = core.attention_delta(o, do)
-        index = ctx.index
-        dq, dk, dv, dbk, dbv = sparse_backward(do, q, k, v, bar_k, bar_v, lse, delta, index,
-                                               scale=ctx.scale, config=ctx.config)
-        if dbk is not None:  # padding rows are zero; columns shared by a kv head's query heads add up
-            cols, kv_head = gather_index(index, q.shape[1] // k.shape[1])
-            dk.index_put_((cols, kv_head), dbk.to(dk.dtype), accumulate=True)
-            dv.index_put_((cols, kv_head), dbv.to(dv.dtype), accumulate=True)
-        return dq, dk, dv, None, None, None
+@sparse_attention_fwd.register_fake
+def _(q, k, v, call, scale, sizes):
+    shape = _bars_shape(q, SparseCall.from_op_args(call, sizes))
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return torch.empty_like(q), lse, k.new_empty(shape), k.new_empty(shape)
+
+
+@torch.library.custom_op("treeattn_lab::sparse_attention_bwd", mutates_args=())
+def sparse_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         o: torch.Tensor, lse: torch.Tensor, bar_k: torch.Tensor, bar_v: torch.Tensor,
+                         call: list[torch.Tensor], scale: float, sizes: list[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` (arguments as :func:`sparse_attention_fwd`'s, with its outputs)."""
+    c = SparseCall.from_op_args(call, sizes)
+    do = do.contiguous()
+    delta = core.attention_delta(o, do)
+    dq, dk, dv, dbk, dbv = _backward(do, q, k, v, bar_k, bar_v, lse, delta, c, scale=scale)
+    if dbk is not None:  # padding rows are zero; columns shared by a kv head's query heads add up
+        dk.index_put_((c.bar_cols, c.bar_heads), dbk.to(dk.dtype), accumulate=True)
+        dv.index_put_((c.bar_cols, c.bar_heads), dbv.to(dv.dtype), accumulate=True)
+    return dq, dk, dv
+
+
+@sparse_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, bar_k, bar_v, call, scale, sizes):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+core.register_attention_autograd(sparse_attention_fwd, sparse_attention_bwd)
 
 
 def triton_sparse_attention(q, k, v, index, *, scale=None, config=None, return_lse=False):
@@ -669,12 +650,20 @@ def triton_sparse_attention(q, k, v, index, *, scale=None, config=None, return_l
 
     Inputs are validated by ``treeattn_lab.ops``. ``config``: a :class:`~.tuning.SparseConfig` whose
     non-None fields override the tuned defaults (e.g. ``SparseConfig(bar=16)`` in small tests). With
-    ``return_lse`` also returns the natural-log log-sum-exp ``[N, Hq]``.
+    ``return_lse`` also returns the natural-log log-sum-exp ``[N, Hq]``. Under ``torch.compile`` the
+    index's bar plan must be built beforehand (:func:`prepare`, or one eager call).
     """
     check_inputs(q, k, v, index)
-    _resolve(config, index)  # a bad config fails here, before any launch
+    resolve_config(config, index)  # a bad config fails here, before any launch
 
     def apply(q, k, v, scale):
-        return BlockSparseAttentionFunction.apply(q, k, v, index, scale, config)
+        group = q.shape[1] // k.shape[1]
+        if torch.compiler.is_compiling() and not prepared(index, config, group):
+            raise ValueError("a block-sparse index must be prepared before torch.compile traces a call: run "
+                             "treeattn_lab.kernels.block_sparse.prepare(index, config, group) or one eager "
+                             "call first")
+        tensors, sizes = _call(q, k, index, config).op_args()
+        o, lse, _, _ = sparse_attention_fwd(q, k, v, tensors, scale, sizes)
+        return o, lse.detach()  # the log-sum-exp carries no gradient
 
     return core.run_attention(apply, q, k, v, scale=scale, return_lse=return_lse)

@@ -332,13 +332,13 @@ def test_short_calls_start_from_the_short_configs():
 
     short = SimpleNamespace(block_size=128, num_q=tuning.SPARSE_SHORT_QUERIES)
     long = SimpleNamespace(block_size=128, num_q=tuning.SPARSE_SHORT_QUERIES + 1)
-    assert kernel_module._resolve(None, short)["dkdv"] == tuning.SPARSE_SHORT.dkdv
-    assert kernel_module._resolve(None, short)["split"] == tuning.SPARSE_SHORT.split
-    assert kernel_module._resolve(None, long)["dkdv"] == tuning.SPARSE.dkdv
-    assert kernel_module._resolve(None, long)["split"] is None
+    assert kernel_module.resolve_config(None, short)["dkdv"] == tuning.SPARSE_SHORT.dkdv
+    assert kernel_module.resolve_config(None, short)["split"] == tuning.SPARSE_SHORT.split
+    assert kernel_module.resolve_config(None, long)["dkdv"] == tuning.SPARSE.dkdv
+    assert kernel_module.resolve_config(None, long)["split"] is None
     mine = SparseConfig(dkdv=LaunchConfig(16, 16, 1, 1))
-    assert kernel_module._resolve(mine, short)["dkdv"] == LaunchConfig(16, 16, 1, 1)
-    assert kernel_module._resolve(mine, short)["fwd"] == tuning.SPARSE_SHORT.fwd
+    assert kernel_module.resolve_config(mine, short)["dkdv"] == LaunchConfig(16, 16, 1, 1)
+    assert kernel_module.resolve_config(mine, short)["fwd"] == tuning.SPARSE_SHORT.fwd
     small_block = SimpleNamespace(block_size=32, num_q=64)
-    fwd = kernel_module._resolve(None, small_block)["fwd"]
+    fwd = kernel_module.resolve_config(None, small_block)["fwd"]
     assert (fwd.block_m, fwd.block_n) == (32, 32)

@@ -9,14 +9,17 @@ eager mode's. On CPU the kernels run under Triton's interpreter (fp32 here).
 
 import pytest
 import torch
+from torch._dynamo.exc import Unsupported
 from treeattn_lab.kernels import attention_core
+from treeattn_lab.kernels import block_sparse as sparse_kernel
 from treeattn_lab.kernels import dilated_attention as dilated_kernel
 from treeattn_lab.kernels import scan as scan_kernel
 from treeattn_lab.kernels import tree_attention as tree_kernel
-from treeattn_lab.kernels.tuning import LaunchConfig, ScanConfig
+from treeattn_lab.kernels.tuning import LaunchConfig, ScanConfig, SparseConfig
 
 from treeattn_lab import RolloutTrie, reference, tree_attention
-from treeattn_lab.ops import dilated_attention, gated_scan
+from treeattn_lab.ops import dilated_attention, gated_scan, sparse_attention
+from treeattn_lab.patterns.vertical_slash import VerticalSlashPattern
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILE = LaunchConfig(16, 16, 4, 1)
@@ -183,3 +186,106 @@ def test_gated_scan_compiles_fullgraph_like_eager(compiler):
     _assert_compiles_like_eager(fn, inputs, compiler=compiler)
     _assert_compiles_like_eager(lambda x, g: gated_scan(x, g, dim=1, backend="triton"), inputs,
                                 compiler="eager")
+
+
+# ----------------------------------------------------------------------------------- block-sparse
+SPARSE_CONFIG = SparseConfig(bar=16, split=2)
+
+
+def _sparse_pattern(n=75, heads=4, seed=8, n_vertical=9):
+    gen = torch.Generator().manual_seed(seed)
+    vertical = torch.randint(-1, n, (heads, n_vertical), generator=gen)
+    slash = torch.randint(-1, n, (heads, 5), generator=gen)
+    slash[:, 0] = 0
+    return VerticalSlashPattern(vertical, slash, 16).to(DEVICE)
+
+
+@pytest.mark.parametrize("n_vertical", [9, 0])
+def test_sparse_ops_pass_opcheck(n_vertical):
+    index = _sparse_pattern(n_vertical=n_vertical).block_index(75)
+    q, k, v = _inputs(9, (75, 4, 16), (75, 2, 16), (75, 2, 16))
+    tensors, sizes = sparse_kernel._call(q, k, index, SPARSE_CONFIG).op_args()
+    args = (q, k, v, tensors, 0.3, sizes)
+    torch.library.opcheck(sparse_kernel.sparse_attention_fwd, args)
+    o, lse, bar_k, bar_v = sparse_kernel.sparse_attention_fwd(*args)
+    do = torch.randn_like(o)
+    torch.library.opcheck(sparse_kernel.sparse_attention_bwd,
+                          (do, *(x.detach() for x in (q, k, v, o, lse, bar_k, bar_v)), *args[3:]))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_sparse_attention_compiles_fullgraph_like_eager(compiler):
+    pattern = _sparse_pattern()
+    index = pattern.block_index(75)
+    inputs = _inputs(10, (75, 4, 16), (75, 2, 16), (75, 2, 16))
+
+    def fn(q, k, v):
+        return sparse_kernel.triton_sparse_attention(q, k, v, index, scale=0.3, config=SPARSE_CONFIG)
+
+    _assert_compiles_like_eager(fn, inputs, compiler=compiler)  # the eager run prepares the index
+    _assert_compiles_like_eager(lambda q, k, v: sparse_attention(q, k, v, pattern, backend="triton"), inputs,
+                                compiler="eager")
+
+
+def test_compiling_an_unprepared_sparse_call_is_refused_clearly():
+    pattern = _sparse_pattern(seed=11)
+    q, k, v = _inputs(12, (75, 4, 16), (75, 2, 16), (75, 2, 16))
+    # fullgraph reports the ValueError as the reason it cannot trace; without fullgraph the call runs eagerly
+    with pytest.raises((ValueError, Unsupported), match="cannot build a block-sparse index"):
+        torch.compile(lambda q, k, v: sparse_attention(q, k, v, pattern, backend="triton"), fullgraph=True,
+                      backend="eager")(q, k, v)
+    index = pattern.block_index(75)
+    sparse_kernel.prepare(index, None, group=2)
+    got = torch.compile(lambda q, k, v: sparse_attention(q, k, v, pattern, backend="triton"), fullgraph=True,
+                        backend="eager")(q, k, v)
+    torch.testing.assert_close(got, sparse_attention(q, k, v, pattern, backend="triton"), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------ flat and varlen backends
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", ["flat", "varlen"])
+def test_flat_and_varlen_backends_compile_fullgraph_once_their_plan_is_cached(backend, compiler):
+    pack = _pack()
+    inputs = _inputs(13, (pack.num_tokens, 4, 16), (pack.num_tokens, 2, 16), (pack.num_tokens, 2, 16))
+
+    def fn(q, k, v):
+        return tree_attention(q, k, v, pack, backend=backend)
+
+    _assert_compiles_like_eager(fn, inputs, compiler=compiler)  # the eager run caches the plan
+    ref = reference.tree_attention(*(x.detach().double() for x in inputs), pack.subtree_end)
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend=compiler)(*inputs).double(), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["flat", "varlen"])
+def test_compiling_flat_or_varlen_on_a_pack_without_a_plan_is_refused_clearly(backend):
+    pack = _pack()
+    q, k, v = _inputs(14, (pack.num_tokens, 2, 16), (pack.num_tokens, 2, 16), (pack.num_tokens, 2, 16))
+    with pytest.raises((ValueError, Unsupported), match="run the call once eagerly on this pack"):
+        torch.compile(lambda q, k, v: tree_attention(q, k, v, pack, backend=backend), fullgraph=True,
+                      backend="eager")(q, k, v)
+    assert not pack._cache  # nothing half-built was left behind
+
+
+def test_varlen_backend_calls_the_public_varlen_api_with_causal_gqa_and_scale(monkeypatch):
+    """Flash runs on CUDA only: on a CPU a stand-in for ``varlen_attn`` checks the arguments and computes
+    what flash would (bottom-right causal per sequence), through the same call the CUDA path makes."""
+    from treeattn_lab.ops import varlen_tree
+
+    assert varlen_tree.VARLEN_ATTN is not None  # this torch has the public API with what the backend needs
+    calls = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+        calls.append((window_size, enable_gqa, scale, max_q, max_k))
+        assert torch.equal(cu_q, plan.cu_q) and torch.equal(cu_k, plan.cu_k)
+        return reference.masked_attention(q, k, v, varlen_tree.varlen_mask(plan), scale=scale)
+
+    monkeypatch.setattr(varlen_tree, "VARLEN_ATTN", stand_in)
+    pack = _pack()
+    plan = varlen_tree.varlen_plan(pack)
+    q, k, v = (x.detach() for x in _inputs(15, (pack.num_tokens, 4, 16), (pack.num_tokens, 2, 16),
+                                           (pack.num_tokens, 2, 16)))
+    keys, values = k.index_select(0, plan.key_rows), v.index_select(0, plan.key_rows)
+    out = varlen_tree._flash_varlen(q, keys, values, plan, 0.3)
+    assert calls == [((-1, 0), True, 0.3, plan.max_q, plan.max_k)]
+    torch.testing.assert_close(out, reference.tree_attention(q, k, v, pack.subtree_end, scale=0.3))

@@ -34,7 +34,9 @@ and the shared copies are added to it (``index_add_``, in the input dtype, as ``
 backward does). Padded slots get exactly zero gradient and are ignored.
 
 The plan (rows of every slot, owner and shared slots per bucket) is built on the CPU once per pack and
-device and cached on the pack, like the flex block mask and the Triton tile schedule.
+device and cached on the pack, like the flex block mask and the Triton tile schedule. Building it walks
+the rollouts on the host, which ``torch.compile`` cannot trace: a compiled call reads the plan an eager
+call cached and refuses, with a ValueError, a pack that has none.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "group_lengths",
     "leaf_rollouts",
     "prefers_flat",
+    "require_cached",
     "rollout_pair_ratio",
 ]
 
@@ -99,9 +102,19 @@ def rollout_pair_ratio(pack) -> float:
     return int(_causal_pairs(_rollout_lengths(pack)).sum()) / pack.attended_pairs()
 
 
+def require_cached(pack, key, what: str) -> None:
+    """Under ``torch.compile``, a clear error when ``pack._cache`` lacks ``key``: building ``what`` is
+    host work (lists of rollouts) that a traced graph cannot run."""
+    if torch.compiler.is_compiling() and key not in pack._cache:
+        raise ValueError(f"torch.compile cannot build {what} of a pack (host work): run the call once "
+                         f"eagerly on this pack before compiling (the result is cached on the pack)")
+
+
 def flat_pair_ratio(pack) -> float:
     """Pairs the flat backend computes (its padded batches, :func:`group_lengths`) / pairs the tree
-    attends: :func:`rollout_pair_ratio` plus the padding of rollouts of unequal length. Cached."""
+    attends: :func:`rollout_pair_ratio` plus the padding of rollouts of unequal length. Cached (under
+    ``torch.compile`` it must be cached already: :func:`require_cached`)."""
+    require_cached(pack, "flat_pair_ratio", "the flat-or-tree decision of backend='auto'")
     if "flat_pair_ratio" not in pack._cache:
         lengths = _rollout_lengths(pack).tolist()
         padded = sum(len(g) * _causal_pairs(max(lengths[i] for i in g)) for g in group_lengths(lengths))
@@ -228,8 +241,10 @@ def _build_plan(pack) -> FlatPlan:
 
 
 def flat_plan(pack) -> FlatPlan:
-    """The rollout buckets of ``pack``, built once per pack and device and cached on the pack."""
+    """The rollout buckets of ``pack``, built once per pack and device and cached on the pack (under
+    ``torch.compile`` it must be cached already: :func:`require_cached`)."""
     key = ("flat_plan", str(pack.device))
+    require_cached(pack, key, "the flat backend's rollout plan")
     if key not in pack._cache:
         pack._cache[key] = _build_plan(pack)
     return pack._cache[key]

@@ -11,7 +11,9 @@ Backends:
 - ``"auto"``: triton on CUDA, else reference.
 
 The pattern's kernel index and Flex block mask are built once per (pattern, token count, device) and
-cached on the pattern: every layer reusing a pattern pays for them once.
+cached on the pattern: every layer reusing a pattern pays for them once. Building them is host work, so
+under ``torch.compile`` the triton backend needs them built first (one eager call, or
+``kernels.block_sparse.prepare``) and says so otherwise.
 """
 
 from __future__ import annotations
@@ -30,8 +32,13 @@ def sparse_backends(device="cpu") -> list[str]:
     return available_backends(device, "sparse_attention")
 
 
-def check_pattern(pattern, q) -> None:
-    """The pattern must be a :class:`VerticalSlashPattern` with q's heads, on q's device, fitting N."""
+def check_pattern(pattern, q, *, compiled_kernel: bool = False) -> None:
+    """The pattern must be a :class:`VerticalSlashPattern` with q's heads, on q's device, fitting N.
+
+    ``compiled_kernel``: the triton backend inside ``torch.compile``, which cannot build the kernel's index
+    (host work): the pattern's index for N must be cached by then, and its entries were checked when it
+    was built eagerly.
+    """
     if not isinstance(pattern, VerticalSlashPattern):
         raise TypeError(
             f"pattern must be a VerticalSlashPattern (see estimate()), got {type(pattern).__name__}"
@@ -40,7 +47,12 @@ def check_pattern(pattern, q) -> None:
         raise ValueError(f"pattern has {pattern.num_heads} heads but q has {q.shape[1]} query heads")
     if pattern.device != q.device:
         raise ValueError(f"pattern is on {pattern.device} but q on {q.device}; move it with pattern.to()")
-    pattern.check_tokens(q.shape[0])
+    if not compiled_kernel:
+        pattern.check_tokens(q.shape[0])
+    elif ("block_index", q.shape[0], True) not in pattern._cache:
+        raise ValueError("torch.compile cannot build a block-sparse index (host work): call sparse_attention "
+                         "once eagerly, or prepare it with treeattn_lab.kernels.block_sparse.prepare("
+                         "pattern.block_index(num_tokens), group=Hq // Hkv), before compiling")
 
 
 # ------------------------------------------------------------------------------------------ flex
@@ -101,8 +113,8 @@ def sparse_attention(q, k, v, pattern: VerticalSlashPattern, *, scale: float | N
     """
     check_qkv(q, k, v)
     check_scale(scale)
-    check_pattern(pattern, q)
     name = choose_backend(backend, q.device, "sparse_attention")
+    check_pattern(pattern, q, compiled_kernel=name == "triton" and torch.compiler.is_compiling())
     if name == "reference":
         return reference_sparse_attention(q, k, v, pattern, scale=scale)
     if name == "flex":

@@ -12,8 +12,11 @@ With the queries at the end of their key sequence, causal attention aligned to t
 (query ``i`` of ``n_q`` sees keys ``0 .. n_k - n_q + i``) is exactly the tree rule: each query sees its
 ancestors and the earlier tokens of its own rollout. Every visible (query, key) pair is computed once:
 the work is the tree's attended pairs, not the flat rollouts' (the shared prefix's queries run once), and
-the kernel is FlashAttention's own varlen kernel (``aten._flash_attention_forward`` with ``cum_seq_q`` /
-``cum_seq_k``), at FlashAttention's speed per pair.
+the kernel is FlashAttention's own varlen kernel, at FlashAttention's speed per pair: through torch's
+public ``torch.nn.attention.varlen.varlen_attn`` (a custom op with its backward, which ``torch.compile``
+traces) where the installed torch takes ``window_size`` (causal), ``scale`` and ``enable_gqa``, else
+through the private ``aten._flash_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``.
+The plan is host work, cached on the pack by the first eager call; a compiled call needs it cached.
 
 Costs beyond the attention: a gather of K and V into rollout order (the flat token count, ``sum of rollout
 lengths``) and, in the backward, the sum of the gathered copies' gradients back into the pack
@@ -28,12 +31,13 @@ bottom-right causal mask spelled out, which is what the flash kernel computes.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from .. import reference
-from .flat_tree import leaf_rollouts
+from .flat_tree import leaf_rollouts, require_cached
 
 __all__ = [
     "FLASH_HEAD_DIMS",
@@ -78,8 +82,10 @@ def _build_plan(pack) -> VarlenPlan:
 
 
 def varlen_plan(pack) -> VarlenPlan:
-    """The leaf sequences of ``pack``, built once per pack and device and cached on the pack."""
+    """The leaf sequences of ``pack``, built once per pack and device and cached on the pack (under
+    ``torch.compile`` it must be cached already: :func:`~.flat_tree.require_cached`)."""
     key = ("varlen_plan", str(pack.device))
+    require_cached(pack, key, "the varlen backend's sequence plan")
     if key not in pack._cache:
         pack._cache[key] = _build_plan(pack)
     return pack._cache[key]
@@ -97,8 +103,24 @@ def varlen_mask(plan: VarlenPlan) -> torch.Tensor:
     return (seq_q[:, None] == seq_k[None, :]) & (k_time[None, :] <= q_time[:, None])
 
 
+def _public_varlen_attn():
+    """``torch.nn.attention.varlen.varlen_attn`` when the installed torch has it with the arguments this
+    backend passes (``window_size`` for causal, ``scale``, ``enable_gqa``), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    wanted = {"window_size", "scale", "enable_gqa"}
+    return varlen_attn if wanted <= inspect.signature(varlen_attn).parameters.keys() else None
+
+
+VARLEN_ATTN = _public_varlen_attn()
+
+
 class _FlashVarlen(torch.autograd.Function):
-    """FlashAttention's varlen forward and backward (causal, bottom-right) on packed q and gathered k, v."""
+    """FlashAttention's varlen forward and backward (causal, bottom-right) on packed q and gathered k, v,
+    through the private aten ops: the path for a torch whose public ``varlen_attn`` lacks the arguments
+    above."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scale):
@@ -117,6 +139,16 @@ class _FlashVarlen(torch.autograd.Function):
             grad.contiguous(), q, k, v, out, lse, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, 0.0, True,
             rng, unused, scale=ctx.scale)
         return dq, dk, dv, None, None
+
+
+def _flash_varlen(q, keys, values, plan: VarlenPlan, scale):
+    """Causal varlen FlashAttention, bottom-right aligned: flash aligns causal attention to the bottom-right
+    corner when a sequence has fewer queries than keys. ``window_size=(-1, 0)`` is how the public API says
+    causal; grouped-query heads pass as they are."""
+    if VARLEN_ATTN is None:
+        return _FlashVarlen.apply(q, keys, values, plan, scale)
+    return VARLEN_ATTN(q, keys, values, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale,
+                       window_size=(-1, 0), enable_gqa=q.shape[1] != keys.shape[1])
 
 
 def runs_flash(q: torch.Tensor) -> bool:
@@ -139,5 +171,5 @@ def varlen_tree_attention(q, k, v, pack, *, scale=None):
     scale = None if scale is None else float(scale)
     keys, values = k.index_select(0, plan.key_rows), v.index_select(0, plan.key_rows)
     if q.is_cuda:
-        return _FlashVarlen.apply(q.contiguous(), keys, values, plan, scale)
+        return _flash_varlen(q.contiguous(), keys, values, plan, scale)
     return reference.masked_attention(q, keys, values, varlen_mask(plan), scale=scale)
