@@ -18,8 +18,9 @@ Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padd
 whole micro-batch, dfs its largest call with autograd plus the K/V of the longest path).
 
 **Fitting** (:meth:`CostModel.fit`, on the measurements of
-:func:`treeattn_lab.engine.calibration.calibrate`): per mode, :func:`~treeattn_lab.engine.time_fit.\
-fit_host_bound` (NNLS on each side of ``host = device``, the device slopes held to what a device can do).
+:func:`treeattn_lab.engine.calibration.calibrate`): per mode,
+:func:`~treeattn_lab.engine.time_fit.fit_host_bound` (NNLS on each side of ``host = device``, the device
+slopes held to what a device can do).
 
 **Refinement** (:meth:`CostModel.refine`): measured times of real micro-batches rescale each mode's
 coefficients (least squares), which corrects what the synthetic calibration tries miss.
@@ -214,8 +215,8 @@ class CostModel:
     def planning_seconds(self, mode: str, tokens: float, pairs: float) -> float:
         """Predicted seconds of a tree micro-batch of ``tokens`` tree tokens and ``pairs`` attended pairs
         in ``mode`` ("packed" or "dfs"), counting only its own constants and floor as calls (a DFS
-        micro-batch's calls depend on the blocks it is cut into): what :func:`~treeattn_lab.engine.\
-plan_micro_batches` minimizes."""
+        micro-batch's calls depend on the blocks it is cut into): what
+        :func:`~treeattn_lab.engine.plan_micro_batches` minimizes."""
         c0, per_token, per_pair, _ = self.time[mode]
         return max(self.host[mode][0], c0 + per_token * tokens + per_pair * pairs)
 
