@@ -289,3 +289,25 @@ def test_varlen_backend_calls_the_public_varlen_api_with_causal_gqa_and_scale(mo
     out = varlen_tree._flash_varlen(q, keys, values, plan, 0.3)
     assert calls == [((-1, 0), True, 0.3, plan.max_q, plan.max_k)]
     torch.testing.assert_close(out, reference.tree_attention(q, k, v, pack.subtree_end, scale=0.3))
+
+
+# ------------------------------------------------------------------------------------------ TinyLM
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_tinylm_packed_training_step_compiles_fullgraph_like_eager(compiler):
+    """forward_packed's layers with ``tree_attention(..., backend="triton")``, a loss and its backward:
+    compiled with fullgraph=True (``aot_eager`` traces the backward graph too, through the backward ops)."""
+    from treeattn_lab.bench.compile import run_step, step_loss
+    from treeattn_lab.bench.train import TINY
+    from treeattn_lab.reference import TinyLM
+
+    pack = _pack()
+    torch.manual_seed(0)
+    model = TinyLM(TINY).to(DEVICE)
+    targets = pack.input_ids.roll(-1)
+    _, loss, grads = run_step(model, lambda: step_loss(model, pack, targets, "triton"))
+    compiled = torch.compile(step_loss, fullgraph=True, backend=compiler)
+    _, got_loss, got_grads = run_step(model, lambda: compiled(model, pack, targets, "triton"))
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_grads, grads, rtol=1e-5, atol=1e-6)
+    logits = model.forward_packed(pack, lambda q, k, v: tree_attention(q, k, v, pack, backend="triton"))
+    torch.testing.assert_close(torch.nn.functional.cross_entropy(logits, targets), loss, rtol=1e-6, atol=1e-6)

@@ -21,6 +21,7 @@ BENCHES = {
     "sparse": "treeattn_lab.bench.sparse",
     "dilated": "treeattn_lab.bench.dilated",
     "balance": "treeattn_lab.bench.balance",
+    "compile": "treeattn_lab.bench.compile",
 }
 
 
