@@ -117,6 +117,24 @@ def test_tree_attention_compiles_fullgraph_like_eager(compiler, cached):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_tree_attention_compiles_once_for_packs_of_every_size():
+    """Packs of three sizes through one compiled function: the second size recompiles with a symbolic
+    token count (the fake implementations' shapes, the schedule's dynamic size), the third reuses it."""
+    compiled = torch.compile(lambda q, k, v, pack: tree_kernel.triton_tree_attention(q, k, v, pack,
+                                                                                     **TREE_TILES),
+                             fullgraph=True, backend="eager")
+    for seqs in ([[1, 2, 3] * 9, [1, 2, 4] * 5], [[1, 2, 3] * 13, [1, 2, 4] * 5, [5] * 7],
+                 [[1, 2, 3] * 4, [7, 2, 4] * 11, [5] * 3]):
+        pack = RolloutTrie.from_sequences(seqs).pack().to(DEVICE)
+        T = pack.num_tokens
+        inputs = _inputs(len(seqs), (T, 4, 16), (T, 2, 16), (T, 2, 16))
+        got, got_grads = _run(compiled, inputs, pack)
+        want, want_grads = _run(reference.tree_attention, inputs, pack.subtree_end)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_tree_attention_through_the_public_entry_point_compiles():
     pack = _pack()
     inputs = _inputs(2, (pack.num_tokens, 4, 32), (pack.num_tokens, 4, 32), (pack.num_tokens, 4, 32))
