@@ -65,6 +65,14 @@ Backward (FlashAttention-2, two kernels, no atomics)
 That is 7 dots per (query block, key block) pair: dQ recomputes the scores and dP the dK/dV programs
 already had, and no gradient needs an atomic add (every result is bitwise reproducible).
 
+Ops that torch.compile traces
+-----------------------------
+A call runs as two ``torch.library`` custom ops, ``treeattn_lab::sparse_attention_fwd`` (which also gathers
+and returns the bars) and ``_bwd`` (registered as its autograd), with fake implementations. Their
+arguments are the tensors and ints of a :class:`~.block_sparse_call.SparseCall`, resolved on the host
+from the index, its cached bar plan and the launch configs; under ``torch.compile`` the bar plan must be
+cached already (:func:`prepare`, or one eager call).
+
 Precision: fp16 / bf16 inputs use tensor-core dots with fp32 accumulation; fp32 inputs use IEEE fp32
 dots. Under ``TRITON_INTERPRET=1`` (CPU) everything runs through numpy: use fp32 / fp16 there.
 """

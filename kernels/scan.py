@@ -85,6 +85,10 @@ stored in the input dtype. Under ``TRITON_INTERPRET=1`` (CPU) the kernels run th
 
 Launch settings are a :class:`~.tuning.ScanConfig` (``block_m`` rows per chunk, ``block_n`` channels per
 chain, warps, stages, ``unroll``, ``window``, ``programs_per_sm``); the default is ``tuning.SCAN``.
+
+Both directions run as ``torch.library`` custom ops (``treeattn_lab::gated_scan_fwd`` / ``_bwd``, the
+backward registered as the forward's autograd) with fake implementations, so ``torch.compile`` traces a
+model that calls the scan.
 """
 
 from __future__ import annotations
@@ -394,9 +398,7 @@ def scan_backward(x, g, h, dh, config=None):
     return dx, dg
 
 
-# The scan runs as ``torch.library`` custom ops (``treeattn_lab::gated_scan_fwd`` / ``_bwd``) with fake
-# implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces a model calling it,
-# backward included. The launch travels as the config's fields in order (:func:`_config_ints`).
+# The custom ops (module docstring); the launch travels as the config's fields in order.
 def _config_ints(config) -> list[int]:
     return [int(x) for x in dataclasses.astuple(_checked_config(config))]
 
