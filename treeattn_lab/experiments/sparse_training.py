@@ -27,7 +27,8 @@ retrieval within 5 points of dense; sparse at least 10 points above the window; 
 Modes: ``tiny`` (the test and notebook 05, well under a minute on a CPU), ``quick`` (minutes on a
 CPU), ``smoke`` (the full mode's model and kernels on a GPU at 4K tokens, a few steps), ``full`` (one
 H200: bf16 autocast, 32K tokens). Seeds are independent: run them in one process or one process each
-and join the JSON files with ``--merge``.
+and join the JSON files with ``--merge``. On a CPU shared with other work, ``OMP_NUM_THREADS=1`` keeps the
+small matrix products from competing for cores.
 
     python -m treeattn_lab.experiments.sparse_training --mode full --seeds 0 1 2
 """
@@ -69,26 +70,26 @@ def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int
 @dataclass(frozen=True)
 class ExperimentConfig:
     model: TinyLMConfig = field(default_factory=lambda: byte_lm(64, 2, 4, 2, 172))
-    short_len: int = 256  # dense pretraining context
-    short_steps: int = 300
-    short_batch: int = 16
-    seq_len: int = 1024  # the long context all three variants train at
-    steps: int = 60
+    short_len: int = 128  # dense pretraining context
+    short_steps: int = 1200
+    short_batch: int = 32
+    seq_len: int = 512  # the long context all three variants train at
+    steps: int = 80
     batch_size: int = 4
     lr: float = 3e-3
     extend_lr: float = 1e-3
-    n_vertical: int = 48  # the sparse budget per head (SparseBudget)
-    n_slash: int = 96
-    sinks: int = 8
-    local: int = 64
+    n_vertical: int = 32  # the sparse budget per head (SparseBudget)
+    n_slash: int = 48
+    sinks: int = 4
+    local: int = 32
     last_q: int = 64
-    block_size: int = 32
+    block_size: int = 16
     passkey_share: float = 0.5  # of the training samples
     digits: int = 4
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     probes_per_depth: int = 8
     eval_windows: int = 16  # validation windows of seq_len bytes
-    timing_reps: int = 3
+    timing_reps: int = 2
     bf16: bool = False  # autocast to bf16 on CUDA
     seeds: tuple[int, ...] = (0,)
 
@@ -98,9 +99,10 @@ class ExperimentConfig:
 
 
 _FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0), short_len=4096,
-                         short_steps=800, short_batch=8, seq_len=32768, steps=300, batch_size=1,
-                         n_vertical=512, n_slash=960, sinks=64, local=896, block_size=128, digits=5,
-                         probes_per_depth=8, eval_windows=4, timing_reps=10, bf16=True)
+                         short_steps=1500, short_batch=8, seq_len=32768, steps=300, batch_size=1,
+                         n_vertical=512, n_slash=960, sinks=64, local=896, block_size=128,
+                         passkey_share=0.75, digits=5, probes_per_depth=8, eval_windows=4, timing_reps=10,
+                         bf16=True)
 MODES = {
     "tiny": ExperimentConfig(model=byte_lm(32, 2, 2, 1, 64), short_len=128, short_steps=30, short_batch=8,
                              seq_len=256, steps=8, batch_size=2, n_vertical=16, n_slash=24, sinks=4, local=16,
@@ -211,7 +213,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
         history["step_ms"].append((time.perf_counter() - start) * 1e3)
         for key, value in (("loss", loss), ("lm_loss", lm_loss), ("key_loss", key_loss)):
             history[key].append(float(value.detach()))
-        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}")
+        bar.set_postfix(lm=f"{history['lm_loss'][-1]:.3f}", key=f"{history['key_loss'][-1]:.2f}")
     return history
 
 
@@ -402,19 +404,27 @@ def _result(cfg_dict: dict, rows: list[dict], histories: dict, seconds: float, d
             "histories": histories, "seconds": seconds, "device": device}
 
 
-def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True) -> dict:
+def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True,
+                   on_seed=None) -> dict:
     """Every seed of ``cfg``, as ``{"config", "rows", "summary", "targets", "histories", "seconds",
-    "device"}``."""
+    "device"}``. ``on_seed(result)`` receives the result of the seeds done so far after each seed (a
+    long run saves what it has)."""
     cfg = MODES[cfg] if isinstance(cfg, str) else cfg
+    if not cfg.seeds:
+        raise ValueError("the configuration has no seeds to run")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
     rows, histories = [], {}
-    for seed in cfg.seeds:
+    for done, seed in enumerate(cfg.seeds, start=1):
         seed_rows, seed_histories = run_seed(cfg, seed, device, progress)
         rows += seed_rows
         histories.update(seed_histories)
-    config = json.loads(json.dumps(asdict(cfg)))  # tuples as lists, as a saved result has them
-    return _result(config, rows, histories, time.perf_counter() - start, str(device))
+        # tuples as lists, as a saved result has them
+        config = json.loads(json.dumps(asdict(replace(cfg, seeds=cfg.seeds[:done]))))
+        result = _result(config, rows, histories, time.perf_counter() - start, str(device))
+        if on_seed is not None:
+            on_seed(result)
+    return result
 
 
 def merge_results(results: list[dict]) -> dict:
@@ -457,22 +467,30 @@ def main(argv: list[str] | None = None) -> int:
     cfg = MODES[args.mode]
     if args.seeds:
         cfg = replace(cfg, seeds=tuple(args.seeds))
+
+    def save(result, env) -> Path:
+        return write_results(f"{BENCH_NAME}-{args.mode}", result["rows"], env,
+                             directory=Path(args.out) if args.out else None,
+                             extra={k: v for k, v in result.items() if k != "rows"})
     if args.merge:
         saved = [json.loads(Path(f).read_text()) for f in args.merge]
         mode = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "seeds"}
         if any({k: v for k, v in s["config"].items() if k != "seeds"} != mode for s in saved):
             parser.error(f"the results to merge were not all run in --mode {args.mode}")
-        result, env = merge_results(saved), saved[0]["environment"]  # where they ran, not here
+        env = saved[0]["environment"]  # where they ran, not here
+        result = merge_results(saved)
     else:
-        result, env = run_experiment(cfg, device=args.device, progress=not args.no_progress), environment()
+        env = environment()
+
+        def save_so_far(partial):
+            print(f"seeds {partial['config']['seeds']} saved in {save(partial, env)}", flush=True)
+
+        result = run_experiment(cfg, device=args.device, progress=not args.no_progress, on_seed=save_so_far)
     print_table(f"Training with dynamic sparse attention ({args.mode}, {result['device']}, "
                 f"{result['seconds']:.0f} s)", COLUMNS, result["summary"])
     for name, t in result["targets"].items():
         print(f"{name}: {t['value']:.3f} ({'met' if t['met'] else 'missed'})")
-    path = write_results(f"{BENCH_NAME}-{args.mode}", result["rows"], env,
-                         directory=Path(args.out) if args.out else None,
-                         extra={k: v for k, v in result.items() if k != "rows"})
-    print(f"wrote {path}")
+    print(f"wrote {save(result, env)}")
     return 0
 
 
