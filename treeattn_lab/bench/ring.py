@@ -160,6 +160,7 @@ def bar_columns(k, v, index):
     return [torch.where(valid[..., None], x[rows, kv_head], 0) for x in (k, v)]
 
 
+@torch.no_grad()
 def step_times(q, k, v, do, pattern, *, layout: str, world: int, rank: int, backend: str = "triton",
                timer=None) -> dict:
     """Rank ``rank``'s steps of a ``world``-rank ring on this device, one after another and without
@@ -203,16 +204,12 @@ def step_times(q, k, v, do, pattern, *, layout: str, world: int, rank: int, back
     out = state[0].to(q.dtype)
     delta = step.delta(out, do_r)
     dq = torch.zeros(q_r.shape, device=q.device, dtype=acc)
-    dkv, incoming = ([torch.empty(x.shape, device=x.device, dtype=acc) for x in keys[0]] for _ in range(2))
-
-    def merge():  # what a backward step does with the accumulator arriving from the next holder
-        for mine, theirs in zip(dkv, incoming, strict=True):
-            mine.add_(theirs)
-
+    # dK, dV stacked as the ring keeps them; a merge adds the accumulator arriving from the next holder
+    dkv, incoming = (torch.empty((2, *keys[0][0].shape), device=q.device, dtype=acc) for _ in range(2))
     for t in reversed(range(world)):  # the backward walks the ring in reverse
-        args = (do_r, q_r, *keys[t], bar_k, bar_v, state[1], delta, plan.steps[t], scale, dq, *dkv)
+        args = (do_r, q_r, *keys[t], bar_k, bar_v, state[1], delta, plan.steps[t], scale, dq, dkv[0], dkv[1])
         rows[t]["bwd_ms"] = timer(partial(step.backward, *args))
-        rows[t]["bwd_merge_ms"] = 0.0 if t == world - 1 else timer(merge)
+        rows[t]["bwd_merge_ms"] = 0.0 if t == world - 1 else timer(partial(dkv.add_, incoming))
     keys = ("tiles", "fwd_ms", "fwd_merge_ms", "bwd_ms", "bwd_merge_ms")
     totals = {key: sum(r.get(key, 0.0) for r in rows) for key in keys}
     return {"rank": rank, "steps": rows, "totals": totals, "out": out, "dq": dq}

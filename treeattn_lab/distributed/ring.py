@@ -21,9 +21,10 @@ Backward
     accumulator arriving from the rank that held those keys one step later, and passes it on: a second
     ring of fp32 dK/dV whose last stop is the keys' owner, computing its own part, so no transfer is left
     after the last kernel (a ring walked forwards would end with every finished accumulator one hop from
-    its owner). Three fp32 dK/dV buffers, allocated once per call, take turns: the one being computed
-    into, the one on its way to the next rank, the one arriving. The bars' dK, dV (computed at step 0)
-    are summed over ranks with one all-reduce and added by the owners.
+    its owner). dK and dV travel stacked in one fp32 buffer (one add per merge, one transfer per hand-over),
+    and three such buffers, allocated once per call, take turns: the one being computed into, the one on
+    its way to the next rank, the one arriving. The bars' dK, dV (computed at step 0) are summed over
+    ranks with one all-reduce and added by the owners.
 
 Hierarchical rings (``inner=ranks per node``) visit a node's ranks in an inner loop and move to the
 previous node in an outer loop; in the forward the outer transfer is posted before the inner loop, so it
@@ -282,8 +283,9 @@ def _ring_backward(do, q, k, v, last_kv, bar_k, bar_v, o, lse2, plan: RingPlan, 
     dq = torch.zeros(q.shape, device=q.device, dtype=acc_dtype)
     kv_comm, dkv_comm = _Transfers(group), _Transfers(group)
     cur = list(last_kv)
-    # fp32 dK/dV buffers: computed into, on its way to the next rank (until dkv_comm.wait()), arriving
-    computing, *free = [[torch.empty(x.shape, device=x.device, dtype=acc_dtype) for x in (k, v)]
+    # fp32 dK/dV stacked in one buffer (one add per merge, one transfer per hand-over); three take turns:
+    # computed into, on its way to the next rank (until dkv_comm.wait()), arriving
+    computing, *free = [torch.empty((2, *k.shape), device=k.device, dtype=acc_dtype)
                         for _ in range(3 if plan.world > 1 else 1)]
     sent = None  # the accumulator passed on at the previous step
     incoming = None  # the dK, dV accumulator of the keys held, from the rank that held them at step t + 1
@@ -293,18 +295,18 @@ def _ring_backward(do, q, k, v, last_kv, bar_k, bar_v, o, lse2, plan: RingPlan, 
         if t > 0:  # step t - 1's keys: from their holder at step t; ours go to theirs at step t - 1
             to, frm = sched.holder(origin, t - 1), sched.holder(sched.origin(plan.rank, t - 1), t)
             nxt = kv_comm.exchange(to, frm, cur, _TAG_KV)
-        dk, dv = computing
+        dk, dv = computing[0], computing[1]  # views (select, not unbind: they may be written in place)
         dbk, dbv = step.backward(do, q, cur[0], cur[1], bar_k, bar_v, lse2, delta, plan.steps[t], scale,
                                  dq, dk, dv)
         if t == 0:
             dbar = (dbk, dbv)
         if incoming is not None:
             dkv_comm.wait()  # the previous accumulator has left, this one has arrived: both free after
-            dk += incoming[0]
-            dv += incoming[1]
+            computing += incoming
             free = [sent, incoming]
         if t > 0:  # pass the accumulator on, receive the one of step t - 1's keys
-            sent, incoming = computing, dkv_comm.exchange(to, frm, computing, _TAG_DKV, into=free[0])
+            (arriving,) = dkv_comm.exchange(to, frm, [computing], _TAG_DKV, into=[free[0]])
+            sent, incoming = computing, arriving
             computing = free[1]  # nothing reads it any more: added at the previous step or never used
             kv_comm.wait()
             cur = nxt
