@@ -446,6 +446,27 @@ def test_a_host_bound_model_plans_fewer_fuller_micro_batches_with_exact_gradient
         assert_grads_close(model, expected, 1e-9)
 
 
+def test_a_host_floor_moves_the_cut_so_no_micro_batch_is_left_below_it():
+    """Ten unshared rollouts of 10 tokens under a budget of 80: the greedy fill leaves a 20-token
+    micro-batch that waits on the host; with the floor at 50 tokens' device time the planner cuts 50 + 50
+    (two micro-batches at the floor instead of one full one plus a floor)."""
+    seqs = [[7 * j + i % 7 for i in range(10)] for j in range(10)]
+    trie = RolloutTrie.from_sequences(seqs)
+    assert trie.stats()["tree_tokens"] == 100
+    per_token = 0.01
+    model = CostModel(
+        time={m: [0.0, per_token, 0.0, 0.0] for m in MODES},
+        host={m: [50 * per_token, 0.0] for m in MODES},
+        calibrated=True,
+    )
+    greedy = plan_micro_batches(trie, 80)
+    planned = plan_micro_batches(trie, 80, cost_model=model, mode="packed")
+    assert [mb.tree_tokens for mb in greedy] == [80, 20]
+    assert [mb.tree_tokens for mb in planned] == [50, 50]
+    shapes = [MicroBatchShape.of(mb.trie, 16) for mb in planned]
+    assert all(model.predict(s, "packed")[0] == pytest.approx(0.5) for s in shapes)
+
+
 @given(
     seqs=rollout_forests(max_sequences=12, max_len=16),
     budget=st.integers(1, 40),
