@@ -4,7 +4,8 @@ Data-parallel training on tries: rank r builds the trie of *its own* rollouts an
 :func:`treeattn_lab.engine.tree_backward` on it, so rank r's work is the cost of its own trie (a prefix
 shared by rollouts on two ranks is computed on both). A cost is evaluated on the micro-batches the engine
 will run on that rank (:meth:`plan`: :func:`treeattn_lab.engine.plan_micro_batches` of the rank's trie
-with the cost model and mode the engine plans with):
+with the cost model and mode the engine plans with), each micro-batch priced by
+:meth:`micro_batch_terms` (its cost, and whether the cost model predicts it host-bound):
 
 - :class:`TokenCost` (the default): the tokens the rank computes, i.e. the tree tokens of its micro-batches
   (a prefix carried over a micro-batch cut is counted again, as the engine computes it again).
@@ -73,9 +74,6 @@ class TokenCost:
         """``(cost, host-bound)`` of a micro-batch: its tree tokens; tokens know no host."""
         return float(micro_batch.tree_tokens), False
 
-    def micro_batch_cost(self, micro_batch: MicroBatch, token_budget: int | None) -> float:
-        return self.micro_batch_terms(micro_batch, token_budget)[0]
-
     def surrogate(self, trie: RolloutTrie, token_budget: int | None) -> tuple[list[float], list[float]]:
         """``(node_cost by node id, rollout_cost by rollout)``: every token once, nothing per rollout."""
         return [float(len(n.tokens)) for n in trie.nodes], [0.0] * trie.num_sequences
@@ -121,9 +119,6 @@ class EngineCost:
     def micro_batch_terms(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[float, bool]:
         """``(predicted seconds, host-bound)`` of a micro-batch."""
         return self.predict(micro_batch, token_budget)[1:]
-
-    def micro_batch_cost(self, micro_batch: MicroBatch, token_budget: int | None) -> float:
-        return self.predict(micro_batch, token_budget)[1]
 
     def surrogate(self, trie: RolloutTrie, token_budget: int | None) -> tuple[list[float], list[float]]:
         """Per-node (tree modes) or per-rollout (flat) seconds from the model's linear coefficients, for
