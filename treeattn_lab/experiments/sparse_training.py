@@ -70,11 +70,11 @@ def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int
 @dataclass(frozen=True)
 class ExperimentConfig:
     model: TinyLMConfig = field(default_factory=lambda: byte_lm(64, 2, 4, 2, 172))
-    short_len: int = 128  # dense pretraining context
+    short_len: int = 256  # dense pretraining context
     short_steps: int = 1200
-    short_batch: int = 32
+    short_batch: int = 16
     seq_len: int = 512  # the long context all three variants train at
-    steps: int = 80
+    steps: int = 150
     batch_size: int = 4
     lr: float = 3e-3
     extend_lr: float = 1e-3
@@ -98,8 +98,8 @@ class ExperimentConfig:
                             last_q=self.last_q, block_size=self.block_size)
 
 
-_FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0), short_len=4096,
-                         short_steps=1500, short_batch=8, seq_len=32768, steps=300, batch_size=1,
+_FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0), short_len=8192,
+                         short_steps=1200, short_batch=8, seq_len=32768, steps=300, batch_size=1,
                          n_vertical=512, n_slash=960, sinks=64, local=896, block_size=128,
                          passkey_share=0.75, digits=5, probes_per_depth=8, eval_windows=4, timing_reps=10,
                          bf16=True)
