@@ -390,7 +390,8 @@ def _report(rows, *, world, args, dtype, pattern) -> None:
                ("per_tile_vs_single_fwd", "fwd per tile x 1 GPU"),
                ("per_tile_vs_single_fwd_bwd", "fwd+bwd per tile x 1 GPU"),
                ("bwd_merge_ms_per_step", "dK/dV merge ms/step")]
-    print_table(f"sparse ring attention over {world} ranks, {env['device']}", columns, rows)
+    steps = f", steps of a {args.steps_world}-rank ring" if args.steps_world else ""
+    print_table(f"sparse ring attention over {world} ranks, {env['device']}{steps}", columns, rows)
     path = write_results("sparse-ring", rows, env, directory=Path(args.out) if args.out else None,
                          extra={"dtype": str(dtype), "heads": args.heads, "head_dim": args.dim,
                                 "pattern": repr(pattern)})
