@@ -9,7 +9,8 @@
   chunks of rows; ``call_plan.py``: argument checks, micro-batches and modes of a call;
   ``rollout_terms.py``: objectives that are sums of per-rollout terms, trained in one pass.
 - ``microbatch.py``: dynamic micro-batching; ``modes.py`` and ``dfs.py``: flat, packed and DFS runs;
-  ``cost_model.py``: predicted time and memory per mode, their fit and the ``"auto"`` choice;
+  ``cost_model.py``: predicted time and memory per mode and the ``"auto"`` choice; ``time_fit.py``: the
+  work features and the fit of a mode's time, ``max(host, device)`` per micro-batch;
   ``calibration.py``: the measurements it is fitted on; ``nnls.py``: the non-negative least squares solver.
 """
 
