@@ -1,8 +1,8 @@
 """Train with dynamic sparse attention: does a model keep its loss and its long-range retrieval?
 
-The claim (MTraining, arXiv 2510.18830): extending a model to long context with dynamic vertical-slash
-sparse attention keeps its quality. Protocol, per seed, on the bundled byte-level corpus
-(:mod:`treeattn_lab.corpus`) with passkey samples mixed in (:mod:`.passkey`):
+The claim (MTraining): extending a model to long context with dynamic vertical-slash sparse attention
+keeps its quality. Protocol, per seed, on the bundled byte-level corpus (:mod:`treeattn_lab.corpus`) with
+passkey samples mixed in (:mod:`.passkey`):
 
 1. **Short context**: a :class:`~treeattn_lab.reference.TinyLM` trains densely on ``short_len``-byte
    windows, a share ``passkey_share`` of them passkey samples (the needle at a random depth, the answer at
