@@ -98,9 +98,12 @@ class ExperimentConfig:
                             last_q=self.last_q, block_size=self.block_size)
 
 
+# Full mode's budget: the sinks and a local band of 768 diagonals (7 block diagonals of tiles), 448 estimated
+# columns and only 16 estimated diagonals beyond the band, since a far diagonal costs a block diagonal of
+# tiles while a column costs one gathered bar.
 _FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0), short_len=8192,
                          short_steps=1200, short_batch=8, seq_len=32768, steps=300, batch_size=1,
-                         n_vertical=512, n_slash=960, sinks=64, local=896, block_size=128,
+                         n_vertical=512, n_slash=784, sinks=64, local=768, block_size=128,
                          passkey_share=0.75, digits=5, probes_per_depth=8, eval_windows=4, timing_reps=10,
                          bf16=True)
 MODES = {
@@ -110,7 +113,7 @@ MODES = {
                              eval_windows=2, timing_reps=1),
     "quick": ExperimentConfig(),
     "smoke": replace(_FULL, short_len=1024, short_steps=10, short_batch=2, seq_len=4096, steps=5,
-                     n_vertical=128, n_slash=288, sinks=16, local=256, depths=(0.5,), probes_per_depth=1,
+                     n_vertical=128, n_slash=264, sinks=16, local=256, depths=(0.5,), probes_per_depth=1,
                      eval_windows=1, timing_reps=2),
     "full": _FULL,
 }
