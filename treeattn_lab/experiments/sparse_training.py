@@ -153,16 +153,6 @@ def window_pattern(num_heads: int, num_tokens: int, fraction: float, *, sinks: i
     return VerticalSlashPattern(sink_cols.to(device), slash.to(device), block_size)
 
 
-def variant_attention(variant: str, cfg: ExperimentConfig, window: VerticalSlashPattern | None = None):
-    if variant == "dense":
-        return causal_sdpa
-    if variant == "sparse":
-        return DynamicSparseAttention(cfg.budget())
-    if window is None:
-        raise ValueError("the window variant needs its pattern (window_pattern)")
-    return fixed_pattern_attention(window)
-
-
 # ---------------------------------------------------------------------------------------------- training
 def _autocast(device: torch.device, cfg: ExperimentConfig):
     if cfg.bf16 and device.type == "cuda":
@@ -325,22 +315,24 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) ->
     timing_generator = torch.Generator().manual_seed(20_000 + seed)
     timing_batch = passkey_batch(load_corpus("train"), cfg.batch_size, cfg.seq_len, timing_generator,
                                  share=1.0, digits=cfg.digits)[0].to(device)
-    rows, window, sparse_fraction = [], None, None
+    rows, sparse_fraction = [], None
     for variant in VARIANTS:
         phase_start = time.perf_counter()
-        if variant == "window":
+        if variant == "dense":
+            attention, fraction = causal_sdpa, 1.0
+        elif variant == "sparse":
+            attention = DynamicSparseAttention(cfg.budget())
+        else:  # as many pairs as the sparse run computed
             window = window_pattern(cfg.model.n_heads, cfg.seq_len, sparse_fraction, sinks=cfg.sinks,
                                     block_size=cfg.block_size, device=device)
-        attention = variant_attention(variant, cfg, window)
+            attention, fraction = fixed_pattern_attention(window), window.density(cfg.seq_len)
         model = copy.deepcopy(base)
         history = train_phase(model, attention, cfg, seq_len=cfg.seq_len, steps=cfg.steps,
                               batch_size=cfg.batch_size, lr=cfg.extend_lr, seed=1_000 + seed,
                               desc=f"seed {seed}: {variant} at {cfg.seq_len}", progress=progress)
         histories[f"{variant}/seed{seed}"] = history
         if variant == "sparse":
-            sparse_fraction = attention.stats.fraction
-        fraction = {"dense": 1.0, "sparse": sparse_fraction,
-                    "window": window.density(cfg.seq_len) if window is not None else None}[variant]
+            fraction = sparse_fraction = attention.stats.fraction
         row = {"seed": seed, "variant": variant, "pair_fraction": fraction,
                "step_ms": statistics.median(history["step_ms"][min(2, cfg.steps - 1):]),
                "train_loss_last": history["loss"][-1]}
