@@ -15,90 +15,17 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import write_text_atomic
+from .experiment_report import render_grpo, render_rat, render_recall, render_sparse_training
+from .markdown import fmt, mapping, median_of, pivot, records, render_rows, table
 from .recorded_commands import RECORDED_COMMANDS
 
 __all__ = ["SECTIONS", "check_document", "render_document", "write_document"]
-
-HEADERS = {"T": "packed T", "fwd_ms": "fwd ms", "fwd_bwd_ms": "fwd+bwd ms", "fwd_speedup": "fwd x base",
-           "fwd_bwd_speedup": "fwd+bwd x base", "fwd_tflops": "fwd TFLOP/s",
-           "fwd_bwd_tflops": "fwd+bwd TFLOP/s",
-           "rel_err_out": "err out", "rel_err_dq": "err dq", "rel_err_dk": "err dk", "rel_err_dv": "err dv",
-           "fwd_GBps": "fwd GB/s", "bwd_GBps": "bwd GB/s", "copy_GBps": "copy GB/s",
-           "fwd_frac_copy": "fwd / copy", "bwd_frac_copy": "bwd / copy", "ms": "ms"}
-
-
-# ------------------------------------------------------------------------------------------ markdown
-def fmt(x) -> str:
-    """A cell: floats to 3 significant digits (whole numbers from 1000 up), ints as they are."""
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "nan"
-        return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
-    if isinstance(x, int):
-        return f"{x:,}" if abs(x) >= 10000 else str(x)
-    if x is None:
-        return ""
-    if isinstance(x, (list, tuple)):
-        return ", ".join(fmt(v) for v in x)
-    return str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
-    """A markdown table (already formatted cells)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(row) + " |" for row in cells]
-    return lines + [""]
-
-
-def records(rows: Sequence[dict], keys: Sequence[str], headers: dict | None = None) -> list[str]:
-    """One table row per record, the columns ``keys`` that at least one record has."""
-    keys = [k for k in keys if any(k in r for r in rows)]
-    names = {**HEADERS, **(headers or {})}
-    return table([names.get(k, k) for k in keys], [[fmt(r.get(k)) for k in keys] for r in rows])
-
-
-def pivot(rows: Sequence[dict], index: Sequence[str], column: str, cell: Callable[[list[dict]], str],
-          headers: dict | None = None) -> list[str]:
-    """A table with one row per distinct ``index`` values and one column per distinct ``column`` value;
-    ``cell`` formats the records that fall in a cell (several records: e.g. repeats of one timing)."""
-    keys = list(dict.fromkeys(tuple(r.get(k) for k in index) for r in rows))
-    cols = list(dict.fromkeys(r.get(column) for r in rows))
-    names = {**HEADERS, **(headers or {})}
-    cells = []
-    for key in keys:
-        mine = [r for r in rows if tuple(r.get(k) for k in index) == key]
-        cells.append([fmt(v) for v in key]
-                     + [cell(g) if (g := [r for r in mine if r.get(column) == c]) else "" for c in cols])
-    return table([names.get(k, k) for k in index] + [fmt(c) for c in cols], cells)
-
-
-def median_of(key: str) -> Callable[[list[dict]], str]:
-    """A :func:`pivot` cell: the value of ``key`` (the median, and how many, when a cell holds repeats)."""
-
-    def cell(group: list[dict]) -> str:
-        values = [r[key] for r in group if isinstance(r.get(key), (int, float))]
-        if not values:
-            return "error" if any(r.get("error") for r in group) else ""
-        text = fmt(statistics.median(values))
-        return text if len(values) == 1 else f"{text} (median of {len(values)})"
-
-    return cell
-
-
-def mapping(d: dict) -> str:
-    """A dict as ``key: value`` pairs on one line (nested values shown as they are)."""
-    return ", ".join(f"{k}: {fmt(v) if not isinstance(v, dict) else json.dumps(v)}" for k, v in d.items())
-
 
 # ------------------------------------------------------------------------------------------ renderers
 def render_tree(p: dict) -> list[str]:
@@ -263,58 +190,12 @@ def render_balance(p: dict) -> list[str]:
                        {"num_ranks": "K"})
 
 
-def render_rat(p: dict) -> list[str]:
-    """The RAT+ experiment: validation loss per model and inference pattern, and its gap to dense."""
-
-    def loss(group):
-        r = group[0]
-        spread = f", seeds {fmt(r['min'])}-{fmt(r['max'])}" if r.get("seeds", 1) > 1 else ""
-        return f"{fmt(r['val_loss'])} ({r['gap_vs_dense']:+.1%}{spread})"
-
-    out = [f"Configuration: {mapping(p.get('config', {}))}.", "",
-           "Validation loss, nats/byte (relative to the same model at D=1 after the same steps):", ""]
-    return out + pivot(p["summary"], ("dilation", "window", "initial", "adapted"), "model", loss,
-                       {"dilation": "D", "window": "W", "initial": "P"})
-
-
-def render_recall(p: dict) -> list[str]:
-    """Recall of attention mass by estimated vertical-slash patterns, per layer and budget."""
-    verdict = [{"layer / kind": k, **v} for k, v in p.get("verdict", {}).items()]
-    out = [f"Training: {mapping({k: v for k, v in p['config'].items() if not isinstance(v, dict)})}.", "",
-           "At the default budget:", ""]
-    out += records(verdict, ("layer / kind", "recall_mean", "recall_min", "density", "mean_meets_target",
-                             "min_meets_target"))
-    out += ["Mean recall per budget (lines per head):", ""]
-    return out + pivot(p["rows"], ("budget",), "kind",
-                       lambda g: " / ".join(f"{layer_name(r['layer'])} {fmt(r['recall_mean'])}" for r in g))
-
-
-def layer_name(layer) -> str:
-    return f"layer {layer}" if isinstance(layer, int) else f"layers {layer}"
-
-
-def render_grpo(p: dict) -> list[str]:
-    """The GRPO loop flat against the tree: per seed and loop, rewards and seconds per phase."""
-    head = {k: v for k, v in p.get("headline", {}).items() if not isinstance(v, dict)}
-    out = [f"Configuration: {mapping({k: v for k, v in p.get('config', {}).items() if k != 'model'})}.", ""]
-    out += render_rows(p)
-    if head:
-        out += [f"Over the seeds: {mapping(head)}", ""]
-    if p.get("grad_rel_diff"):
-        out += [f"Step-0 gradients, tree against flat (relative difference per seed): "
-                f"{mapping(p['grad_rel_diff'])}", ""]
-    return out
-
-
-def render_rows(p: dict) -> list[str]:
-    """Any other result file: its rows, scalar fields only."""
-    rows = p.get("rows") or []
-    keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
-    return records(rows, keys) if rows else ["(no rows)", ""]
-
-
-def render_targets(targets: list[dict]) -> list[str]:
-    return ["Targets:", ""] + records(targets, ("target", "value", "goal", "met"))
+def render_targets(targets: list[dict] | dict) -> list[str]:
+    """A run's checked targets: a list of ``{target, value, goal, met}``, or a dict target -> the rest
+    (with ``min`` or ``max`` as the goal)."""
+    if isinstance(targets, dict):
+        targets = [{"target": name, **t} for name, t in targets.items()]
+    return ["Targets:", ""] + records(targets, ("target", "value", "goal", "min", "max", "met"))
 
 
 @dataclass(frozen=True)
@@ -335,9 +216,10 @@ SECTIONS = (
     Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
             "data-parallel step on two GPUs.",
             {"balance": render_balance, "multi-gpu-train-2x": render_multi_gpu}),
-    Section("Dynamic sparse attention", "The block-sparse kernel on vertical-slash patterns, and the "
-            "recall of attention mass by estimated patterns.",
-            {"sparse": render_sparse, "sparse-recall": render_recall}),
+    Section("Dynamic sparse attention", "The block-sparse kernel on vertical-slash patterns, the "
+            "recall of attention mass by estimated patterns, and training with dynamic sparse attention.",
+            {"sparse": render_sparse, "sparse-recall": render_recall,
+             "sparse-training-": render_sparse_training}),
     Section("Sparse ring attention", "The sparse kernel in a ring across GPUs, its variants and a profiled "
             "step.", {"sparse-ring": render_ring, "sparse-ring-variants": render_ring,
                       "sparse-ring-timeline": render_timeline}),

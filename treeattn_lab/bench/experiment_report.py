@@ -1,0 +1,61 @@
+"""Renderers of the experiments' result files for the results document (``bench/report.py``)."""
+
+from __future__ import annotations
+
+from .markdown import fmt, mapping, pivot, records, render_rows
+
+
+def render_rat(p: dict) -> list[str]:
+    """The RAT+ experiment: validation loss per model and inference pattern, and its gap to dense."""
+
+    def loss(group):
+        r = group[0]
+        spread = f", seeds {fmt(r['min'])}-{fmt(r['max'])}" if r.get("seeds", 1) > 1 else ""
+        return f"{fmt(r['val_loss'])} ({r['gap_vs_dense']:+.1%}{spread})"
+
+    out = [f"Configuration: {mapping(p.get('config', {}))}.", "",
+           "Validation loss, nats/byte (relative to the same model at D=1 after the same steps):", ""]
+    return out + pivot(p["summary"], ("dilation", "window", "initial", "adapted"), "model", loss,
+                       {"dilation": "D", "window": "W", "initial": "P"})
+
+
+def render_recall(p: dict) -> list[str]:
+    """Recall of attention mass by estimated vertical-slash patterns, per layer and budget."""
+    verdict = [{"layer / kind": k, **v} for k, v in p.get("verdict", {}).items()]
+    out = [f"Training: {mapping({k: v for k, v in p['config'].items() if not isinstance(v, dict)})}.", "",
+           "At the default budget:", ""]
+    out += records(verdict, ("layer / kind", "recall_mean", "recall_min", "density", "mean_meets_target",
+                             "min_meets_target"))
+    out += ["Mean recall per budget (lines per head):", ""]
+    return out + pivot(p["rows"], ("budget",), "kind",
+                       lambda g: " / ".join(f"{layer_name(r['layer'])} {fmt(r['recall_mean'])}" for r in g))
+
+
+def layer_name(layer) -> str:
+    return f"layer {layer}" if isinstance(layer, int) else f"layers {layer}"
+
+
+def render_grpo(p: dict) -> list[str]:
+    """The GRPO loop flat against the tree: per seed and loop, rewards and seconds per phase."""
+    head = {k: v for k, v in p.get("headline", {}).items() if not isinstance(v, dict)}
+    out = [f"Configuration: {mapping({k: v for k, v in p.get('config', {}).items() if k != 'model'})}.", ""]
+    out += render_rows(p)
+    if head:
+        out += [f"Over the seeds: {mapping(head)}", ""]
+    if p.get("grad_rel_diff"):
+        out += [f"Step-0 gradients, tree against flat (relative difference per seed): "
+                f"{mapping(p['grad_rel_diff'])}", ""]
+    return out
+
+
+def render_sparse_training(p: dict) -> list[str]:
+    """Training with dynamic sparse attention: per variant the loss, passkey retrieval by depth, the
+    computed-pair share and the times, averaged over seeds (the document adds the targets)."""
+    config = {k: v for k, v in p.get("config", {}).items() if not isinstance(v, (dict, list))}
+    out = [f"Configuration: {mapping(config)}; model {mapping(p.get('config', {}).get('model', {}))}.", "",
+           "Per variant (mean over seeds; retrieval: exact match of the greedy passkey, and the share of "
+           "right digits, per depth of the needle):", ""]
+    rows = [{**{k: v for k, v in r.items() if not isinstance(v, dict)},
+             **{f"exact@{d}": v for d, v in r.get("retrieval", {}).items()},
+             **{f"digits@{d}": v for d, v in r.get("retrieval_digits", {}).items()}} for r in p["summary"]]
+    return out + render_rows({"rows": rows})
