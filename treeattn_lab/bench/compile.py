@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..ops import tree_attention
 from ..ops.tree import choose_tree_backend
@@ -159,19 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = TinyLM(cfg).to(device, dtype)
     reps = args.reps or (2 if quick else 10)
-    rows = []
-    for backend in args.backends:
-        rows += backend_rows(model, pack, backend, reps=reps, compile_backend=args.compile_backend,
-                             compile_allowed=time.perf_counter() - start < args.budget_s)
     env = environment()
     n_params = sum(p.numel() for p in model.parameters())
+    extra = {"dtype": str(dtype), "params": n_params, "config": cfg.__dict__, "set": args.set,
+             "rollouts": len(seqs), "packed_tokens": pack.num_tokens, "compile_backend": args.compile_backend,
+             "quick": quick, "reps": reps}
+    rows = []
+    for backend in tqdm(args.backends, desc="bench compile", unit="backend"):
+        rows += backend_rows(model, pack, backend, reps=reps, compile_backend=args.compile_backend,
+                             compile_allowed=time.perf_counter() - start < args.budget_s)
+        for row in rows[-2:]:
+            tqdm.write(f"{row['backend']} {row['mode']}: "
+                       + (row["error"] if "error" in row else f"{row['step_ms']:.1f} ms per step"))
+        # written after every backend: a run cut short keeps the rows it finished
+        path = write_results("compile", rows, env, directory=args.out, extra=extra)
     title = (f"TinyLM {n_params / 1e9:.2f}B packed training step, eager vs torch.compile(fullgraph=True, "
              f"backend={args.compile_backend!r}), {env['device']}, {str(dtype).removeprefix('torch.')}, "
              f"{args.set} x {len(seqs)} rollouts ({pack.num_tokens} packed tokens)")
     print_table(title, COLUMNS, rows)
-    extra = {"dtype": str(dtype), "params": n_params, "config": cfg.__dict__, "set": args.set,
-             "rollouts": len(seqs), "packed_tokens": pack.num_tokens, "compile_backend": args.compile_backend,
-             "quick": quick, "reps": reps}
-    path = write_results("compile", rows, env, directory=args.out, extra=extra)
     print(f"wrote {path}")
     return 0
