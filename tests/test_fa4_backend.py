@@ -44,18 +44,37 @@ def test_fa4_refuses_what_it_cannot_take(monkeypatch):
     assert fa4_tree.runs_fa4(torch.zeros(3, 2, 128, dtype=torch.bfloat16))
 
 
-def test_auto_picks_fa4_only_in_half_precision_where_it_runs(monkeypatch):
+def test_auto_picks_flat_at_low_sharing_then_fa4_in_half_precision_where_it_runs(monkeypatch):
     pack = small_pack()
     monkeypatch.setattr(tree_ops, "fa4_available", lambda device: torch.device(device).type == "cuda")
-    monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: True)
+    monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
     pick = lambda device, dtype, d=128: tree_ops.choose_tree_backend("auto", pack, device, dtype, d)
     assert pick("cuda", torch.bfloat16) == "fa4"
     assert pick("cuda", torch.float16, 64) == "fa4"
-    assert pick("cuda", torch.bfloat16, 12) == "flat"  # a head dim FA4 does not take: the next rule decides
-    assert pick("cuda", torch.float32) != "fa4"
+    assert pick("cuda", torch.bfloat16, 12) == "triton"  # a head dim FA4 does not take
+    assert pick("cuda", torch.float32) == "triton"
     assert pick("cpu", torch.bfloat16) == "reference"
+    assert tree_ops.choose_tree_backend("triton", pack, "cuda", torch.bfloat16, 128) == "triton"
+    monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: True)
+    assert pick("cuda", torch.bfloat16) == "flat"  # a pack that shares little runs flat, FA4 or not
     monkeypatch.setattr(tree_ops, "fa4_available", lambda device: False)
-    assert pick("cuda", torch.bfloat16) == "flat"
+    monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
+    assert pick("cuda", torch.bfloat16) == "triton"
+
+
+def test_while_tracing_auto_uses_only_a_cached_flat_decision(monkeypatch):
+    pack = small_pack()
+    monkeypatch.setattr(tree_ops, "fa4_available", lambda device: False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def host_work(pack):
+        raise AssertionError("auto read the pack on the host while tracing")
+
+    monkeypatch.setattr(tree_ops, "prefers_flat", host_work)
+    assert tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128) == "triton"
+    pack._cache["flat_pair_ratio"] = 1.0  # what an eager call caches
+    monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: pack._cache["flat_pair_ratio"] < 1.1)
+    assert tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128) == "flat"
 
 
 @pytest.mark.skipif(not FA4_HERE, reason="FlashAttention-4 needs a Hopper-class GPU and the [hopper] extra")
@@ -88,3 +107,11 @@ def test_auto_runs_fa4_and_packs_of_other_sizes_reuse_it():
         q, k, v = (x.cuda().bfloat16() for x in inputs[:3])
         ref = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end)
         assert relative_error(tree_attention(q, k, v, pack), ref) < 1e-2
+
+
+def test_an_unknown_flex_kernel_is_refused():
+    from treeattn_lab.ops import flex
+
+    q = torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="unknown FlexAttention kernel 'bogus'"):
+        flex.flex_attention(q, q, q, None, kernel="bogus")

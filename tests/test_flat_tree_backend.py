@@ -145,22 +145,22 @@ def test_auto_runs_low_sharing_packs_flat_on_cuda(monkeypatch):
     ragged = RolloutTrie.from_sequences([[1000 * i + t for t in range(n)]  # nothing shared, one bucket
                                          for i, n in enumerate((100, 60, 30, 10))]).pack()
     assert flat_tree.rollout_pair_ratio(ragged) < flat_tree.FLAT_BELOW_PAIR_RATIO < ratio(ragged)
-    assert choose_tree_backend("auto", ragged, torch.device("cuda"), torch.bfloat16) == "triton"
+    assert choose_tree_backend("auto", ragged, torch.device("cuda"), torch.bfloat16, 128) == "triton"
     for pack in (low, high, copies, ragged):
         assert ratio(pack) == pytest.approx(flat_tree.flat_plan(pack).padded_pairs() / pack.attended_pairs())
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    assert choose_tree_backend("auto", low, cuda, bf16) == "flat"
-    assert choose_tree_backend("auto", low, cuda, torch.float16) == "flat"
-    assert choose_tree_backend("auto", low, cuda, torch.float32) == "triton"  # flash runs half precision only
-    assert choose_tree_backend("auto", copies, cuda, bf16) == "flat"
-    assert choose_tree_backend("auto", high, cuda, bf16) == "triton"
+    assert choose_tree_backend("auto", low, cuda, bf16, 128) == "flat"
+    assert choose_tree_backend("auto", low, cuda, torch.float16, 128) == "flat"
+    assert choose_tree_backend("auto", low, cuda, torch.float32, 128) == "triton"  # flash: half precision
+    assert choose_tree_backend("auto", copies, cuda, bf16, 128) == "flat"
+    assert choose_tree_backend("auto", high, cuda, bf16, 128) == "triton"
     for pack in (low, high):
-        assert choose_tree_backend("auto", pack, "cpu", bf16) == "reference"  # the CPU keeps the reference
-        assert choose_tree_backend("triton", pack, cuda, bf16) == "triton"  # a named backend stays
-        assert choose_tree_backend("flat", pack, "cpu", bf16) == "flat"
+        assert choose_tree_backend("auto", pack, "cpu", bf16, 128) == "reference"  # CPU: the reference
+        assert choose_tree_backend("triton", pack, cuda, bf16, 128) == "triton"  # a named backend stays
+        assert choose_tree_backend("flat", pack, "cpu", bf16, 128) == "flat"
     # decided once per pack: the cached ratio is reused
     monkeypatch.setattr(flat_tree, "_leaf_nodes", lambda pack: pytest.fail("recomputed the ratio"))
-    assert choose_tree_backend("auto", low, cuda, bf16) == "flat"
+    assert choose_tree_backend("auto", low, cuda, bf16, 128) == "flat"
     assert choose_backend("auto", cuda, "sparse_attention", low_sharing=True) == "triton"  # tree only
     stats = RolloutTrie.from_sequences(branching_rollouts(2, 8, [(4, 64)])).stats()
     assert flat_tree.rollout_pair_ratio(low) == pytest.approx(stats["ideal_attention_ratio"])
@@ -236,7 +236,7 @@ def test_bench_rows_put_auto_beside_flat_sdpa():
     rows = run_case(case, heads=2, dim=8, dtype=torch.float32, device=torch.device("cpu"),
                     backends=["flat", "gather-flat", "auto"], check=False)
     assert [r["backend"] for r in rows] == ["flat", "gather-flat", "auto"]
-    assert rows[-1]["auto_picks"] == "reference"  # the CPU keeps the reference
+    assert rows[-1]["auto_picks"] == "reference"  # CPU: the reference
     (summary,) = auto_summary(rows)
     assert summary["auto_picks"] == "reference" and summary["auto_x_flat"] == rows[-1]["fwd_bwd_speedup"]
     assert "auto_x_triton" not in summary

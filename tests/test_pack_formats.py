@@ -37,6 +37,10 @@ def test_varlen_plan_names_every_leaf_rollout_as_one_sequence(seqs, order):
     plan = ops.varlen_plan(pack)
     assert isinstance(plan, ops.VarlenPlan)
     mask = tree_visibility(pack.subtree_end)
+    q_len, k_len = plan.cu_q.diff(), plan.cu_k.diff()
+    assert int(plan.cu_q[0]) == int(plan.cu_k[0]) == 0 and int(plan.cu_q[-1]) == pack.num_tokens
+    assert bool((q_len >= 1).all()) and int(plan.cu_k[-1]) == plan.key_rows.numel()
+    assert plan.max_q == int(q_len.max()) and plan.max_k == int(k_len.max())
     for j in range(plan.num_sequences):
         queries = range(int(plan.cu_q[j]), int(plan.cu_q[j + 1]))
         keys = plan.key_rows[int(plan.cu_k[j]):int(plan.cu_k[j + 1])].tolist()

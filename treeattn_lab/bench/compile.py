@@ -95,7 +95,7 @@ def backend_rows(model, pack, backend: str, *, reps: int, compile_backend: str,
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     targets = pack.input_ids.roll(-1)
-    base = {"backend": backend, "ran": choose_tree_backend(backend, pack, device, dtype)}
+    base = {"backend": backend, "ran": choose_tree_backend(backend, pack, device, dtype, model.cfg.head_dim)}
 
     def loss_fn():
         return step_loss(model, pack, targets, backend)

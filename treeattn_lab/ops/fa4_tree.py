@@ -22,9 +22,9 @@ Where it runs
 -------------
 CUDA GPUs of compute capability 9.0 (Hopper) or newer, fp16 / bf16, head dims that are multiples of 8 up to
 256, with ``flash_attn.cute`` importable (``pip install 'treeattn_lab[hopper]'``). The block mask is the one
-the flex backend builds and caches on the pack. Each new pack size compiles once (tens of seconds the first
-time); the compiled call marks sizes dynamic after a second size, so a training run with changing packs
-compiles a few times, not once per pack.
+the flex backend builds and caches on the pack. The first two pack sizes compile; the second compiles
+with dynamic sizes, which every later size reuses, so a training run with changing packs does not compile
+once per pack.
 """
 
 from __future__ import annotations

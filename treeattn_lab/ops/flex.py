@@ -34,12 +34,13 @@ def _flex_flash(q, k, v, block_mask, scale, enable_gqa):
                           kernel_options={"BACKEND": "FLASH"})
 
 
-KERNELS = {"triton": (_flex_triton, False), "flash": (_flex_flash, None)}  # kernel -> (function, dynamic)
+# kernel -> (function, torch.compile dynamic)
+FLEX_KERNELS = {"triton": (_flex_triton, False), "flash": (_flex_flash, None)}
 
 
 @functools.cache
 def _compiled(kernel: str):
-    fn, dynamic = KERNELS[kernel]
+    fn, dynamic = FLEX_KERNELS[kernel]
     return torch.compile(fn, dynamic=dynamic)
 
 
@@ -51,11 +52,13 @@ def flex_attention(q, k, v, block_mask, *, scale=None, kernel: str = "triton"):
     and no block mask is built (FlexAttention cannot build or run one)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if kernel not in FLEX_KERNELS:
+        raise ValueError(f"unknown FlexAttention kernel {kernel!r}; choose one of {tuple(FLEX_KERNELS)}")
     if q.shape[-3] == 0:  # still tied to q, k, v, so that a backward through it runs
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
     if not isinstance(block_mask, BlockMask):
         block_mask = block_mask()
-    fn = _compiled(kernel) if q.device.type == "cuda" else KERNELS[kernel][0]
+    fn = _compiled(kernel) if q.device.type == "cuda" else FLEX_KERNELS[kernel][0]
     batched = q.dim() == 4
     qh, kh, vh = ((x if batched else x[None]).transpose(1, 2) for x in (q, k, v))  # [B, H, N, D]
     out = fn(qh, kh, vh, block_mask, scale, q.shape[-2] != k.shape[-2])

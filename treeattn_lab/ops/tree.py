@@ -12,10 +12,10 @@ Backends:
   every visible pair once, at flash's speed per pair.
 - ``"fa4"``: FlashAttention-4's CuTe DSL kernels with the tree ``mask_mod`` through FlexAttention's FLASH
   backend (``ops/fa4_tree.py``): CUDA compute capability >= 9.0 with the ``[hopper]`` extra installed.
-- ``"auto"``: the fastest available on CUDA for fp16 / bf16 inputs: fa4 where it runs, else flat when the
-  pack shares little (attended pairs flat / tree below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once
-  per pack; not while ``torch.compile`` traces, since deciding reads the pack on the host), else triton,
-  else flex; triton for other dtypes on CUDA; reference on the CPU.
+- ``"auto"``: on CUDA for fp16 / bf16 inputs, flat when the pack shares little (attended pairs flat / tree
+  below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once per pack and cached on it; while
+  ``torch.compile`` traces, only a cached decision counts, since deciding reads the pack on the host), else
+  fa4 where it runs, else triton, else flex; triton for other dtypes on CUDA; reference on the CPU.
 """
 
 from __future__ import annotations
@@ -35,16 +35,19 @@ __all__ = ["available_backends", "choose_backend", "choose_tree_backend", "tree_
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where SDPA runs FlashAttention on CUDA
 
 
-def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype, head_dim: int = 128) -> str:
+def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype, head_dim: int) -> str:
     """The backend ``tree_attention`` runs for ``backend`` on ``device``. ``"auto"`` on CUDA in half
-    precision runs FlashAttention-4 where it is available and takes ``head_dim``, else a pack that shares
-    little flat, where SDPA is FlashAttention (:func:`treeattn_lab.ops.flat_tree.prefers_flat`, cached per
-    pack)."""
+    precision runs a pack that shares little flat, where SDPA is FlashAttention
+    (:func:`treeattn_lab.ops.flat_tree.prefers_flat`, cached per pack; while ``torch.compile`` traces, only
+    a decision already cached by an eager call counts), else FlashAttention-4 where it is available and
+    takes ``head_dim``, else the Triton kernel."""
     half_on_gpu = backend == "auto" and torch.device(device).type == "cuda" and dtype in FLASH_DTYPES
+    decided = not torch.compiler.is_compiling() or "flat_pair_ratio" in pack._cache
+    if half_on_gpu and decided and prefers_flat(pack):
+        return choose_backend(backend, device, low_sharing=True)
     if half_on_gpu and head_dim % 8 == 0 and head_dim <= FA4_MAX_HEAD_DIM and fa4_available(device):
         return "fa4"
-    low_sharing = half_on_gpu and not torch.compiler.is_compiling() and prefers_flat(pack)
-    return choose_backend(backend, device, low_sharing=low_sharing)
+    return choose_backend(backend, device)
 
 
 def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = "auto") -> torch.Tensor:

@@ -145,7 +145,7 @@ class TinyLM(nn.Module):
         """
         if input_ids.dtype.is_floating_point:
             raise TypeError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-        # a host-side check: torch.compile traces past it (an eager call checks the same ids first)
+        # a host-side check that a traced graph cannot run: compiled calls skip it (check ids eagerly)
         if not torch.compiler.is_compiling() and (
                 int(input_ids.max()) >= self.cfg.vocab_size or int(input_ids.min()) < 0):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
