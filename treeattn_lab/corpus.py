@@ -167,7 +167,7 @@ def evaluate_loss(
     return total / count
 
 
-def _lr_factor(step: int, steps: int, warmup_steps: int, final_lr_ratio: float) -> float:
+def lr_factor(step: int, steps: int, warmup_steps: int, final_lr_ratio: float) -> float:
     """Linear warmup, then cosine decay from 1 to ``final_lr_ratio``."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -175,7 +175,7 @@ def _lr_factor(step: int, steps: int, warmup_steps: int, final_lr_ratio: float) 
     return final_lr_ratio + (1 - final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW (betas 0.9, 0.95) decaying the matrices only: norms' gains and biases keep no decay."""
     decay, no_decay = [], []
     for p in model.parameters():
@@ -233,14 +233,14 @@ def train_language_model(
         raise TypeError(f"on_step must be callable or None, got {type(on_step).__name__}")
     device = _model_device(model)
     warmup_steps = min(100, steps // 10) if warmup_steps is None else warmup_steps
-    optimizer = _adamw(model, lr, weight_decay)
+    optimizer = adamw(model, lr, weight_decay)
     data = batches(tokens, batch_size, seq_len, torch.Generator().manual_seed(seed))
     history: dict[str, list] = {"step": [], "loss": [], "pass_losses": []}
     model.train()
     bar = tqdm(range(steps), disable=not progress, desc="train", leave=False)
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = lr * _lr_factor(step, steps, warmup_steps, final_lr_ratio)
+            group["lr"] = lr * lr_factor(step, steps, warmup_steps, final_lr_ratio)
         inputs, targets = (x.to(device) for x in next(data))
         losses = []
         for attn in passes:

@@ -192,10 +192,11 @@ def render_balance(p: dict) -> list[str]:
 
 def render_targets(targets: list[dict] | dict) -> list[str]:
     """A run's checked targets: a list of ``{target, value, goal, met}``, or a dict target -> the rest
-    (with ``min`` or ``max`` as the goal)."""
+    (with ``min`` or ``max`` as the goal). A target with ``met: None`` was not evaluated; its ``why``
+    says so in its own column."""
     if isinstance(targets, dict):
         targets = [{"target": name, **t} for name, t in targets.items()]
-    return ["Targets:", ""] + records(targets, ("target", "value", "goal", "min", "max", "met"))
+    return ["Targets:", ""] + records(targets, ("target", "value", "goal", "min", "max", "met", "why"))
 
 
 @dataclass(frozen=True)

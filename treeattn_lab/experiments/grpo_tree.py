@@ -39,6 +39,7 @@ import torch
 from ..reference import TinyLM, TinyLMConfig
 from ..rl.grpo import GRPO, PHASES, GRPOConfig
 from ..rl.tasks import VOCAB_SIZE, AdditionTask
+from .cli_args import seed_list
 
 BENCH_NAME = "grpo-tree"
 
@@ -229,23 +230,13 @@ COLUMNS = [("seed", "seed"), ("loop", "loop"), ("first_reward", "reward step 0")
            ("step_s", "step s"), ("token_ratio", "token ratio")]
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    try:
-        seeds = tuple(int(s) for s in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of ints >= 0, got {text!r}") from None
-    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"seeds must be distinct ints >= 0, got {text!r}")
-    return seeds
-
-
 def main(argv: list[str] | None = None) -> int:
     from ..bench.harness import add_out_argument, environment, positive_int, print_table, write_results
 
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab.experiments.grpo_tree", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=sorted(MODES), default="quick")
-    parser.add_argument("--seeds", type=_seeds, default=None, help="comma list, e.g. 0,1,2")
+    parser.add_argument("--seeds", type=seed_list, default=None, help="comma list, e.g. 0,1,2")
     parser.add_argument("--steps", type=positive_int, default=None, help="override the mode's GRPO steps")
     parser.add_argument("--device", default=None)
     parser.add_argument("--no-save", action="store_true")

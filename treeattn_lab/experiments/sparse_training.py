@@ -22,7 +22,9 @@ passkey samples mixed in (:mod:`.passkey`):
 
 Targets (evaluated from the numbers, never assumed): sparse validation loss within 2% of dense; sparse
 retrieval within 5 points of dense; sparse at least 10 points above the window; sparse attention forward
-+ backward at least 2.5x faster than dense.
++ backward at least 2.5x faster than dense. The two retrieval targets are evaluated only when the dense
+model retrieves (``DENSE_RETRIEVAL_FLOOR``); otherwise they are recorded with ``met: None``. The means
+over seeds and the targets are computed in :mod:`.sparse_training_targets`.
 
 Modes: ``tiny`` (the test and notebook 05, well under a minute on a CPU), ``quick`` (minutes on a
 CPU), ``smoke`` (the full mode's model and kernels on a GPU at 4K tokens, a few steps), ``full`` (one
@@ -30,7 +32,7 @@ H200: bf16 autocast, 32K tokens). Seeds are independent: run them in one process
 and join the JSON files with ``--merge``. On a CPU shared with other work, ``OMP_NUM_THREADS=1`` keeps the
 small matrix products from competing for cores.
 
-    python -m treeattn_lab.experiments.sparse_training --mode full --seeds 0 1 2
+    python -m treeattn_lab.experiments.sparse_training --mode full --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -48,16 +51,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..corpus import VOCAB_SIZE, _adamw, _lr_factor, causal_sdpa, evaluate_loss, load_corpus
+from ..corpus import VOCAB_SIZE, adamw, causal_sdpa, evaluate_loss, load_corpus, lr_factor
 from ..ops.dynamic_sparse import DynamicSparseAttention, SparseBudget, fixed_pattern_attention
 from ..ops.sparse import sparse_attention
 from ..patterns.vertical_slash import VerticalSlashPattern
 from ..reference import TinyLM, TinyLMConfig
+from .cli_args import seed_list
 from .passkey import passkey_batch, passkey_scores, probe_set
+from .sparse_training_targets import VARIANTS, summarize, targets, verdict
 
 BENCH_NAME = "sparse-training"
-VARIANTS = ("dense", "sparse", "window")
-TARGETS = {"loss_gap": 0.02, "retrieval_gap": 0.05, "retrieval_margin": 0.10, "attention_speedup": 2.5}
 
 
 def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, rope_theta: float = 10000.0
@@ -169,7 +172,8 @@ def _losses(model, inputs, targets, answer, attention):
     positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
     logits = model(inputs, positions, attention).float()
     token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-    key_loss = token_loss[answer].mean() if bool(answer.any()) else token_loss.new_zeros(())
+    # a batch without a passkey sample has no answer loss: NaN in the history, nothing added to the loss
+    key_loss = token_loss[answer].mean() if bool(answer.any()) else token_loss.new_full((), math.nan)
     return token_loss.mean(), key_loss
 
 
@@ -182,14 +186,14 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
     device = next(model.parameters()).device
     train = load_corpus("train")  # batches are built on the CPU, then moved
     generator = torch.Generator().manual_seed(seed)
-    optimizer = _adamw(model, lr, 0.1)
+    optimizer = adamw(model, lr, 0.1)
     warmup = min(100, steps // 10)
     history: dict[str, list] = {"loss": [], "lm_loss": [], "key_loss": [], "step_ms": []}
     model.train()
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = lr * _lr_factor(step, steps, warmup, 0.1)
+            group["lr"] = lr * lr_factor(step, steps, warmup, 0.1)
         batch = passkey_batch(train, batch_size, seq_len, generator, share=cfg.passkey_share,
                               digits=cfg.digits)
         inputs, targets, answer = (x.to(device) for x in batch)
@@ -197,7 +201,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
         start = time.perf_counter()
         with _autocast(device, cfg):
             lm_loss, key_loss = _losses(model, inputs, targets, answer, attention)
-        loss = lm_loss + key_loss
+        loss = lm_loss + key_loss if bool(answer.any()) else lm_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -349,50 +353,6 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) ->
     return rows, histories
 
 
-# ---------------------------------------------------------------------------------------------- summary
-SUMMED = ("val_loss", "val_loss_dense_eval", "retrieval_mean", "retrieval_dense_eval_mean", "attention_ms",
-          "kernel_ms", "estimate_ms", "step_ms", "pair_fraction")
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per variant, the mean over seeds of every measured number (retrieval per depth included)."""
-    out = []
-    for variant in VARIANTS:
-        mine = [r for r in rows if r["variant"] == variant]
-        if not mine:
-            continue
-        row = {"variant": variant, "seeds": len(mine)}
-        row.update({key: statistics.mean(r[key] for r in mine) for key in SUMMED})
-        for key in ("retrieval", "retrieval_digits"):
-            row[key] = {d: statistics.mean(r[key][d] for r in mine) for d in mine[0][key]}
-        out.append(row)
-    return out
-
-
-def targets(summary: list[dict]) -> dict[str, dict]:
-    """Each target of the protocol with its number, its threshold and whether it is met."""
-    by = {s["variant"]: s for s in summary}
-    dense, sparse, window = by["dense"], by["sparse"], by["window"]
-    loss_gap = sparse["val_loss"] / dense["val_loss"] - 1
-    retrieval_gap = dense["retrieval_mean"] - sparse["retrieval_mean"]
-    margin = sparse["retrieval_mean"] - window["retrieval_mean"]
-    speedup = dense["attention_ms"] / sparse["kernel_ms"]
-    with_estimate = dense["attention_ms"] / sparse["attention_ms"]
-    t = TARGETS
-    return {
-        "sparse_loss_within_2pct_of_dense": {"value": loss_gap, "max": t["loss_gap"],
-                                             "met": loss_gap <= t["loss_gap"]},
-        "sparse_retrieval_within_5pts_of_dense": {"value": retrieval_gap, "max": t["retrieval_gap"],
-                                                  "met": retrieval_gap <= t["retrieval_gap"]},
-        "sparse_retrieval_above_window": {"value": margin, "min": t["retrieval_margin"],
-                                          "met": margin >= t["retrieval_margin"]},
-        "attention_fwd_bwd_speedup": {"value": speedup, "min": t["attention_speedup"],
-                                      "met": speedup >= t["attention_speedup"]},
-        "attention_fwd_bwd_speedup_with_estimation": {"value": with_estimate, "min": t["attention_speedup"],
-                                                      "met": with_estimate >= t["attention_speedup"]},
-    }
-
-
 def _result(cfg_dict: dict, rows: list[dict], histories: dict, seconds: float, device: str) -> dict:
     summary = summarize(rows)
     return {"config": cfg_dict, "rows": rows, "summary": summary, "targets": targets(summary),
@@ -452,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=sorted(MODES), default="quick")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="e.g. --seeds 0 1 2")
+    parser.add_argument("--seeds", type=seed_list, default=None, help="comma list, e.g. 0,1,2")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
@@ -461,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = MODES[args.mode]
     if args.seeds:
-        cfg = replace(cfg, seeds=tuple(args.seeds))
+        cfg = replace(cfg, seeds=args.seeds)
 
     def save(result, env) -> Path:
         return write_results(f"{BENCH_NAME}-{args.mode}", result["rows"], env,
@@ -484,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"Training with dynamic sparse attention ({args.mode}, {result['device']}, "
                 f"{result['seconds']:.0f} s)", COLUMNS, result["summary"])
     for name, t in result["targets"].items():
-        print(f"{name}: {t['value']:.3f} ({'met' if t['met'] else 'missed'})")
+        print(f"{name}: {t['value']:.3f} ({verdict(t)})")
     print(f"wrote {save(result, env)}")
     return 0
 

@@ -2,13 +2,15 @@
 sparse and sliding-window training from one checkpoint.
 
 - :func:`draw_training_curves`: next-byte loss and passkey-answer loss per step at the long context
-  (means over the result's seeds), after the dense short-context phase;
+  (means over the result's seeds), after the dense short-context phase; a step whose batch held no
+  passkey sample records a NaN answer loss, which the means skip;
 - :func:`draw_retrieval_by_depth`: passkey exact match per needle depth, each model with its own attention;
 - :func:`draw_training_times`: attention forward + backward per step (kernel and estimation) and step time.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 
@@ -27,15 +29,23 @@ def _variants(result: Mapping) -> list[str]:
     return found
 
 
-def _mean_curve(result: Mapping, variant: str, key: str) -> list[float]:
-    """Per step, the mean over seeds of ``histories[variant/seedS][key]``."""
+def _nanmean(values) -> float | None:
+    """The mean of the values that are not NaN; ``None`` (a gap in a plotly line) when every one is."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.mean(kept) if kept else None
+
+
+def _mean_curve(result: Mapping, variant: str, key: str) -> list[float | None]:
+    """Per step, the mean over seeds of ``histories[variant/seedS][key]``, skipping NaN (a step without a
+    passkey sample has no answer loss); ``None`` where no seed has a value."""
     runs = [h[key] for name, h in result["histories"].items() if name.split("/")[0] == variant]
-    return [statistics.mean(step) for step in zip(*runs, strict=True)]
+    return [_nanmean(step) for step in zip(*runs, strict=True)]
 
 
 def draw_training_curves(result: Mapping) -> go.Figure:
     """Two panels over the training steps: next-byte loss and the passkey answer's loss (nats per byte,
-    means over seeds); the short dense phase first, then the three variants from its checkpoint."""
+    means over seeds); the short dense phase first, then the three variants from its checkpoint. Steps
+    where no seed's batch held a passkey sample have no answer loss: the line joins the steps around them."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=["next-byte loss", "passkey answer loss"],
                         horizontal_spacing=0.1)
     short = len(_mean_curve(result, "pretrain", "lm_loss"))
@@ -45,6 +55,7 @@ def draw_training_curves(result: Mapping) -> go.Figure:
             start = 0 if variant == "pretrain" else short
             fig.add_trace(go.Scatter(x=list(range(start, start + len(ys))), y=ys, mode="lines",
                                      name=VARIANT_NAMES[variant], legendgroup=variant, showlegend=col == 1,
+                                     connectgaps=True,
                                      line=dict(color=VARIANT_COLORS[variant], width=1.5)), row=1, col=col)
     cfg = result["config"]
     for col in (1, 2):
