@@ -494,6 +494,40 @@ def test_cheapest_cuts_cover_every_rollout_once_and_never_cost_more_than_greedy(
         assert len(planned) == len(greedy)
 
 
+@pytest.mark.parametrize(
+    "cost_model", [None, CostModel(), device_bound_model()], ids=["none", "prior", "calibrated"]
+)
+@pytest.mark.parametrize("mode", ["packd", "Flat", "", None, 3])
+def test_the_planner_names_the_modes_for_a_bad_mode_with_or_without_a_cost_model(cost_model, mode):
+    trie = RolloutTrie.from_sequences(prompt_groups(prompts=2))
+    for budget in (None, 50):
+        with pytest.raises(ValueError, match=r"mode must be one of \('auto', 'flat', 'packed', 'dfs'\)"):
+            plan_micro_batches(trie, budget, cost_model=cost_model, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["flat", "auto", "packd", None])
+def test_planning_seconds_refuses_a_mode_that_is_not_a_tree_mode(mode):
+    model = device_bound_model(host_floor=0.5)
+    with pytest.raises(ValueError, match=r"tree modes \('packed', 'dfs'\)"):
+        model.planning_seconds(mode, 100, 1000)
+
+
+def test_planning_seconds_is_the_host_floor_or_the_device_term_without_calls():
+    """The device term's constant, tokens and pairs against the host constant; no per-call term in
+    either, so for packed it equals the prediction of the micro-batch's own shape."""
+    model = CostModel(
+        time={m: [0.5, 0.01, 1e-4, 7.0] for m in MODES}, host={m: [2.0, 9.0] for m in MODES}, calibrated=True
+    )
+    for mode in ("packed", "dfs"):
+        assert model.planning_seconds(mode, 1000, 10_000) == pytest.approx(0.5 + 10.0 + 1.0)
+        assert model.planning_seconds(mode, 10, 0) == pytest.approx(2.0)  # below the host floor
+    trie = RolloutTrie.from_sequences(prompt_groups(prompts=2, prompt_len=200, tail=40))
+    shape = MicroBatchShape.of(trie, 16)
+    assert shape.tree_tokens > 150  # the device term is the larger, so the comparison is not the floor's
+    predicted, _ = model.predict(shape, "packed")
+    assert model.planning_seconds("packed", shape.tree_tokens, shape.tree_pairs) == pytest.approx(predicted)
+
+
 # ------------------------------------------------------------------------- the distributed probe
 def test_probe_times_every_micro_batch_in_the_contending_modes(one_rank_group):
     torch.manual_seed(0)

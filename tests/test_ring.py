@@ -6,18 +6,19 @@ dV with the full-sequence float64 reference. Layouts, schedules and sharding are
 """
 
 import time
+from unittest import mock
 
 import pytest
 import torch
 
 from treeattn_lab.bench.ring import (
     check_equivalence,
-    count_digest_exchanges,
     make_inputs,
     run_spawned,
     small_pattern,
     step_times,
 )
+from treeattn_lab.distributed import agreement
 from treeattn_lab.distributed.cpu_ranks import run_cases, spawn
 from treeattn_lab.distributed.layouts import RingSchedule, block_owner, rank_blocks, shard, unshard
 from treeattn_lab.distributed.ring import ring_sparse_attention
@@ -32,6 +33,30 @@ def _assert_close(results, tol):
         for case, errors in enumerate(cases):
             assert errors.pop("inputs_unchanged"), f"rank {rank} case {case} modified its inputs"
             assert max(errors.values()) < tol, f"rank {rank} case {case}: {errors}"
+
+
+def count_digest_exchanges(*, calls: int = 3, fault_rank: int | None = None, tokens: int = 96, group=None
+                           ) -> dict:
+    """Runs on each spawned rank: ``calls`` ring forwards on the same pattern object and inputs, the last
+    one with rank ``fault_rank`` passing the zigzag layout instead of striped; how many digest exchanges
+    (the full agreement of :func:`treeattn_lab.distributed.agreement.agree`) this rank made, and how the
+    last call ended (``{"exchanges": n, "error": None or the exception's type name, "message": ...}``).
+    The exchanges are counted by wrapping ``agreement.gather_objects`` in this rank's own process."""
+    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    q, k, v, _ = make_inputs(tokens, 2, 1, 16, dtype=torch.float64, device=torch.device("cpu"), seed=0)
+    pattern = small_pattern(tokens, 2, 16, 0)
+    local = [shard(x, "striped", world, rank, 16) for x in (q, k, v)]
+    with mock.patch.object(agreement, "gather_objects", wraps=agreement.gather_objects) as gathers:
+        for call in range(calls):
+            layout = "zigzag" if call == calls - 1 and rank == fault_rank else "striped"
+            try:
+                ring_sparse_attention(*local, pattern, num_tokens=tokens, layout=layout, group=group,
+                                      backend="reference")
+            except Exception as e:  # the last call's outcome is reported below
+                if call < calls - 1:
+                    raise
+                return {"exchanges": gathers.call_count, "error": type(e).__name__, "message": str(e)}
+        return {"exchanges": gathers.call_count, "error": None, "message": ""}
 
 
 @pytest.mark.xdist_group("ring")
@@ -109,6 +134,20 @@ def test_repeated_calls_agree_by_fingerprint_and_a_later_mismatch_still_fails_ev
         assert faulty["exchanges"] == 1 and faulty["error"] == "RankMismatchError", (rank, faulty)
         assert faulty["message"].startswith(f"rank {rank}: the ranks disagree on the ring's pattern")
         assert "ranks [0, 2] hold" in faulty["message"] and "ranks [1] hold" in faulty["message"]
+
+
+def test_the_quick_agreement_fingerprint_takes_63_bits_that_fit_the_int64_all_reduce():
+    top, low = "f" * 16, "0" * 16
+    assert agreement._fingerprint(top + "0" * 48) == 2**63 - 1
+    assert agreement._fingerprint(low + "f" * 48) == 0  # only the first 64 bits count
+    assert agreement._fingerprint("8" + "0" * 63) == 2**62  # the 63rd bit is used
+    assert agreement._fingerprint("0" * 14 + "02" + "0" * 48) == 1  # ... and the lowest one kept
+    assert agreement._fingerprint(None) == -1
+    digest = agreement.sha256("ring", 3)
+    fingerprint = agreement._fingerprint(digest)
+    assert 0 <= fingerprint < 2**63 and fingerprint == int(digest, 16) >> 193
+    flags = torch.tensor([2**63 - 1, -(2**63 - 1), 1], dtype=torch.int64)  # what the all-reduce carries
+    assert flags.tolist() == [2**63 - 1, -(2**63 - 1), 1]
 
 
 @pytest.mark.parametrize(("backend", "dtype", "world", "layout"),

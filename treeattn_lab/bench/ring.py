@@ -91,41 +91,6 @@ def check_equivalence(*, layout="striped", inner=None, backend="reference", toke
     return errors
 
 
-def count_digest_exchanges(*, calls: int = 3, fault_rank: int | None = None, tokens: int = 96, group=None
-                           ) -> dict:
-    """``calls`` ring forwards on the same pattern object and inputs, the last one with rank
-    ``fault_rank`` passing the zigzag layout instead of striped; how many digest exchanges (the full
-    agreement of :func:`treeattn_lab.distributed.agreement.agree`) this rank made, and how the last call
-    ended (``{"exchanges": n, "error": None or the exception's type name, "message": ...}``)."""
-    from ..distributed import agreement
-
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v, _ = make_inputs(tokens, 2, 1, 16, dtype=torch.float64, device=torch.device("cpu"), seed=0)
-    pattern = small_pattern(tokens, 2, 16, 0)
-    local = [shard(x, "striped", world, rank, 16) for x in (q, k, v)]
-    exchanges, real_gather = 0, agreement.gather_objects
-
-    def counted(obj, monitor):
-        nonlocal exchanges
-        exchanges += 1
-        return real_gather(obj, monitor)
-
-    agreement.gather_objects = counted
-    try:
-        for call in range(calls):
-            layout = "zigzag" if call == calls - 1 and rank == fault_rank else "striped"
-            try:
-                ring_sparse_attention(*local, pattern, num_tokens=tokens, layout=layout, group=group,
-                                      backend="reference")
-            except Exception as e:  # the last call's outcome is reported below
-                if call < calls - 1:
-                    raise
-                return {"exchanges": exchanges, "error": type(e).__name__, "message": str(e)}
-    finally:
-        agreement.gather_objects = real_gather
-    return {"exchanges": exchanges, "error": None, "message": ""}
-
-
 def run_spawned(world: int, cases: list[dict], *, timeout: float = 120.0) -> list[list[dict]]:
     """Run :func:`check_equivalence` for each case on ``world`` gloo ranks in fresh processes.
 

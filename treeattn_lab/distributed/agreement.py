@@ -140,10 +140,18 @@ def agree(
 
 
 def _fingerprints_agree(digest: str | None, problem: str | None, monitor) -> bool:
-    fingerprint = int(digest[:15], 16) if digest is not None else -1
+    """The quick check of :func:`agree`: one int64 MAX all-reduce of (fingerprint, -fingerprint, problem),
+    so the fingerprints agree exactly when their maximum equals their minimum."""
+    fingerprint = _fingerprint(digest)
     flags = torch.tensor([fingerprint, -fingerprint, int(problem is not None)], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=monitor)
     return int(flags[0]) == -int(flags[1]) and not int(flags[2])
+
+
+def _fingerprint(digest: str | None) -> int:
+    """A 63-bit fingerprint of a hex ``digest``: its first 64 bits shifted right by one, in
+    ``0 .. 2**63 - 1`` so that it and its negation fit an int64; -1 for no digest."""
+    return int(digest[:16], 16) >> 1 if digest is not None else -1
 
 
 def _holders(digests: list[str]) -> str:

@@ -49,6 +49,7 @@ from .nnls import nnls, nnls_normalized
 from .time_fit import HOST_FEATURES, TIME_FEATURES, fit_host_bound
 
 MEMORY_FEATURES = 3  # constant, held tokens, path tokens (see MicroBatchShape.memory_features)
+TREE_MODES = ("packed", "dfs")  # the modes that run a micro-batch as its trie
 
 @dataclass(frozen=True)
 class MicroBatchShape:
@@ -214,9 +215,13 @@ class CostModel:
 
     def planning_seconds(self, mode: str, tokens: float, pairs: float) -> float:
         """Predicted seconds of a tree micro-batch of ``tokens`` tree tokens and ``pairs`` attended pairs
-        in ``mode`` ("packed" or "dfs"), counting only its own constants and floor as calls (a DFS
-        micro-batch's calls depend on the blocks it is cut into): what
-        :func:`~treeattn_lab.engine.plan_micro_batches` minimizes."""
+        in ``mode`` (one of :data:`TREE_MODES`): what :func:`~treeattn_lab.engine.plan_micro_batches`
+        minimizes. The larger of the host floor (the host term's constant) and the device term's constant,
+        per-token and per-pair terms; both terms' per-call coefficients are left out, since a DFS
+        micro-batch's calls depend on the blocks it is cut into (a packed micro-batch's one call is
+        its constant, so for packed this is :meth:`predict`'s time)."""
+        if not isinstance(mode, str) or mode not in TREE_MODES:
+            raise ValueError(f"planning_seconds needs one of the tree modes {TREE_MODES}, got mode {mode!r}")
         c0, per_token, per_pair, _ = self.time[mode]
         return max(self.host[mode][0], c0 + per_token * tokens + per_pair * pairs)
 

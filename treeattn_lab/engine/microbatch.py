@@ -30,6 +30,9 @@ from itertools import pairwise
 
 from ..checks import check_int
 from ..trie import RolloutTrie
+from .modes import MODES
+
+PLANNING_MODES = ("auto",) + MODES  # the engine modes a plan can be made for
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,13 @@ def _cheapest_starts(lengths: list[int], shared: list[int], token_budget: int, s
     return starts[::-1]
 
 
+def check_planning_mode(mode) -> str:
+    """``mode`` if it is one of :data:`PLANNING_MODES`, else a ValueError naming them."""
+    if not isinstance(mode, str) or mode not in PLANNING_MODES:
+        raise ValueError(f"mode must be one of {PLANNING_MODES}, got {mode!r}")
+    return mode
+
+
 def plan_micro_batches(
     trie: RolloutTrie, token_budget: int | None = None, *, cost_model=None, mode: str = "auto"
 ) -> list[MicroBatch]:
@@ -120,10 +130,12 @@ def plan_micro_batches(
     predicted (module docstring) for ``mode``, the engine mode the micro-batches will run in: under
     ``"auto"`` the packed mode's prediction, whose features a range of rollouts determines exactly (the
     engine then picks each micro-batch's mode). Otherwise, and in ``"flat"`` mode, greedy fill.
+    ``mode`` must be one of :data:`PLANNING_MODES`, with or without a cost model.
     """
     if not isinstance(trie, RolloutTrie):
         raise TypeError(f"trie must be a RolloutTrie, got {type(trie).__name__}")
     check_int("token_budget", token_budget, allow_none=True)
+    check_planning_mode(mode)
     order = dfs_sequence_order(trie)
     seqs = [trie.sequence(i) for i in order]
     lengths = [len(s) for s in seqs]
