@@ -333,3 +333,14 @@ def test_drawings_show_the_merged_numbers(tiny_runs):
     assert list(kernel.y) == [by[v]["kernel_ms"] for v in VARIANTS]
     assert list(estimate.y) == [by[v]["estimate_ms"] for v in VARIANTS]
     assert list(step.y) == [by[v]["step_ms"] for v in VARIANTS]
+
+
+def test_merge_reads_a_zero_answer_loss_without_a_passkey_as_undefined():
+    from treeattn_lab.experiments.sparse_training import _undefined_answer_loss
+
+    history = {"loss": [3.0, 2.5, 2.0], "lm_loss": [3.0, 2.0, 2.0], "key_loss": [0.0, 0.5, 0.0],
+               "step_ms": [1, 1, 1]}
+    history["loss"][2] = 2.0 + 1e-9  # a passkey step whose answer loss happens to be 0: kept
+    got = _undefined_answer_loss(history)
+    assert math.isnan(got["key_loss"][0]) and got["key_loss"][1:] == [0.5, 0.0]
+    assert history["key_loss"] == [0.0, 0.5, 0.0]  # the input is not changed

@@ -394,9 +394,19 @@ def merge_results(results: list[dict]) -> dict:
     if len(set(seeds)) < len(seeds):
         raise ValueError(f"results to merge repeat a seed: {seeds}")
     rows = sorted((row for r in results for row in r["rows"]), key=lambda row: row["seed"])
-    histories = {k: v for r in results for k, v in r["histories"].items()}
+    histories = {k: _undefined_answer_loss(v) for r in results for k, v in r["histories"].items()}
     return _result({**setting, "seeds": seeds}, rows, histories, sum(r["seconds"] for r in results),
                    results[0]["device"])
+
+
+def _undefined_answer_loss(history: dict) -> dict:
+    """``history`` with NaN as the answer loss of every step whose batch held no passkey: the steps where
+    the loss is the next-byte loss alone and the answer loss reads 0 (how per-seed files may record it)."""
+    if "key_loss" not in history:
+        return history
+    key_loss = [math.nan if k == 0 and loss == lm else k
+                for k, loss, lm in zip(history["key_loss"], history["loss"], history["lm_loss"], strict=True)]
+    return {**history, "key_loss": key_loss}
 
 
 # ---------------------------------------------------------------------------------------------- command line
