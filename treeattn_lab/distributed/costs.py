@@ -39,7 +39,7 @@ import torch
 
 from ..checks import check_int
 from ..engine.cost_model import MODES, CostModel, MicroBatchShape
-from ..engine.microbatch import MicroBatch, dfs_sequence_order, plan_micro_batches
+from ..engine.microbatch import MicroBatch, check_planning_mode, dfs_sequence_order, plan_micro_batches
 from ..trie import RolloutTrie
 
 
@@ -48,8 +48,7 @@ def _check_planning(name: str, cost_model, mode, *, optional: bool) -> None:
     if not (isinstance(cost_model, CostModel) or (optional and cost_model is None)):
         wanted = "a CostModel or None" if optional else "a CostModel"
         raise TypeError(f"{name} must be {wanted}, got {type(cost_model).__name__}")
-    if mode not in ("auto",) + MODES:
-        raise ValueError(f"mode must be one of {('auto',) + MODES}, got {mode!r}")
+    check_planning_mode(mode)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from ..corpus import VOCAB_SIZE, causal_sdpa, evaluate_loss, load_corpus, train_
 from ..patterns.dilated import DilatedPattern
 from ..reference import TinyLM, TinyLMConfig
 from ..reference.rat import RATTinyLM
+from .cli_args import seed_list
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=sorted(MODES), default="quick")
     parser.add_argument("--steps", type=positive_int, default=None, help="override the mode's training steps")
     parser.add_argument("--adapt-steps", type=int, default=None, help="override the mode's adaptation steps")
-    parser.add_argument("--seeds", default=None, help="comma list, e.g. 0,1,2")
+    parser.add_argument("--seeds", type=seed_list, default=None, help="comma list, e.g. 0,1,2")
     parser.add_argument("--device", default=None)
     add_out_argument(parser)
     parser.add_argument("--no-save", action="store_true")
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapt_steps is not None:
         cfg = replace(cfg, adapt_steps=args.adapt_steps)
     if args.seeds:
-        cfg = replace(cfg, seeds=tuple(int(s) for s in args.seeds.split(",")))
+        cfg = replace(cfg, seeds=args.seeds)
     if args.merge:
         import json
 
