@@ -32,7 +32,16 @@ from ..ops import tree_attention
 from ..ops.tree import choose_tree_backend
 from ..reference import TinyLM
 from ..trie import RolloutTrie
-from .harness import add_out_argument, choice_list, environment, positive_int, print_table, write_results
+from .harness import (
+    add_out_argument,
+    choice_list,
+    environment,
+    flat_gradient,
+    positive_int,
+    print_table,
+    synchronize,
+    write_results,
+)
 from .train import LLAMA_05B, TINY, rollout_set
 
 BACKENDS = ("auto", "triton")
@@ -55,23 +64,17 @@ def step_loss(model: TinyLM, pack, targets: torch.Tensor, backend: str) -> torch
     return F.cross_entropy(logits.float(), targets)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_step(model, loss_fn) -> tuple[float, torch.Tensor, torch.Tensor]:
     """One step (fresh gradients, loss, backward): ``(seconds, loss, flat gradient)``."""
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     loss = loss_fn()
     loss.backward()
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - t0
-    grads = torch.cat([p.grad.detach().float().flatten() for p in model.parameters()])
-    return seconds, loss.detach().float(), grads
+    return seconds, loss.detach().float(), flat_gradient(model)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -102,6 +102,17 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------- timing
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA), so that a host clock times it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def flat_gradient(model) -> torch.Tensor:
+    """Every parameter's ``.grad`` as one fp32 vector (to compare the gradients of two runs)."""
+    return torch.cat([p.grad.detach().float().flatten() for p in model.parameters()])
+
+
 def time_ms(fn, *, warmup: int = 3, rep: int = 10, grad_to_none=None, device=None) -> float:
     """Median wall time of ``fn()`` in milliseconds (events on CUDA, perf_counter on CPU)."""
     device = torch.device(device) if device is not None else None

@@ -27,7 +27,16 @@ from ..datasets import load_rollouts
 from ..engine import MODES, calibrate, tree_backward
 from ..reference import TinyLM, TinyLMConfig
 from ..trie import RolloutTrie
-from .harness import add_out_argument, choice_list, environment, positive_int, print_table, write_results
+from .harness import (
+    add_out_argument,
+    choice_list,
+    environment,
+    flat_gradient,
+    positive_int,
+    print_table,
+    synchronize,
+    write_results,
+)
 
 SETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
 # run flat and auto only (one timed step each), auto under --memory-limit-gib (see rollout_set)
@@ -65,16 +74,16 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
     walls = []
     for _ in range(2):  # a warm-up (caches, autotuning, allocator), then the wall time without the profiler
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         tree_backward(model, trie, None, mode=mode, **engine)
-        _sync(device)
+        synchronize(device)
         walls.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         tree_backward(model, trie, None, mode=mode, **engine)
-        _sync(device)
+        synchronize(device)
         wall = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     events = _profiled_events(prof)
@@ -125,27 +134,18 @@ def _profiled_events(prof) -> list[tuple[str, bool, float]]:
         ]
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _flat_grads(model) -> torch.Tensor:
-    return torch.cat([p.grad.detach().float().flatten() for p in model.parameters()])
-
-
 def timed_steps(model, optimizer, trie, *, mode, reps, warmup, **kwargs) -> dict:
     """Median step time over ``reps`` steps after ``warmup``; memory and choices of the last step."""
     device = next(model.parameters()).device
     times, result, static = [], None, 0
     for i in range(warmup + reps):
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         result = tree_backward(model, trie, None, mode=mode, **kwargs)
         optimizer.step()
-        _sync(device)
+        synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     rep = result.report
@@ -166,13 +166,13 @@ def precision_check(model, seqs, *, block_tokens, token_budget) -> list[dict]:
     reference = TinyLM(model.cfg).to(next(model.parameters()).device)
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     tree_backward(reference, trie, None, mode="flat", token_budget=token_budget)
-    want = _flat_grads(reference)
+    want = flat_gradient(reference)
     del reference
     rows = []
     for mode in MODES:
         model.zero_grad(set_to_none=True)
         tree_backward(model, trie, None, mode=mode, block_tokens=block_tokens, token_budget=token_budget)
-        rows.append({"mode": mode, "grad_rel_err": float((_flat_grads(model) - want).norm() / want.norm())})
+        rows.append({"mode": mode, "grad_rel_err": float((flat_gradient(model) - want).norm() / want.norm())})
     model.zero_grad(set_to_none=True)
     return rows
 

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..bench.harness import synchronize
 from ..corpus import VOCAB_SIZE, adamw, causal_sdpa, evaluate_loss, load_corpus, lr_factor
 from ..ops.dynamic_sparse import DynamicSparseAttention, SparseBudget, fixed_pattern_attention
 from ..ops.sparse import sparse_attention
@@ -163,11 +164,6 @@ def _autocast(device: torch.device, cfg: ExperimentConfig):
     return contextlib.nullcontext()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _losses(model, inputs, targets, answer, attention):
     positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
     logits = model(inputs, positions, attention).float()
@@ -197,7 +193,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
         batch = passkey_batch(train, batch_size, seq_len, generator, share=cfg.passkey_share,
                               digits=cfg.digits)
         inputs, targets, answer = (x.to(device) for x in batch)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         with _autocast(device, cfg):
             lm_loss, key_loss = _losses(model, inputs, targets, answer, attention)
@@ -206,7 +202,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        _sync(device)
+        synchronize(device)
         history["step_ms"].append((time.perf_counter() - start) * 1e3)
         for key, value in (("loss", loss), ("lm_loss", lm_loss), ("key_loss", key_loss)):
             history[key].append(float(value.detach()))
