@@ -46,7 +46,7 @@ def test_fa4_refuses_what_it_cannot_take(monkeypatch):
 
 def test_auto_picks_flat_at_low_sharing_then_fa4_in_half_precision_where_it_runs(monkeypatch):
     pack = small_pack()
-    monkeypatch.setattr(tree_ops, "fa4_available", lambda device: torch.device(device).type == "cuda")
+    monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: torch.device(device).type == "cuda")
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
     pick = lambda device, dtype, d=128: tree_ops.choose_tree_backend("auto", pack, device, dtype, d)
     assert pick("cuda", torch.bfloat16) == "fa4"
@@ -57,14 +57,14 @@ def test_auto_picks_flat_at_low_sharing_then_fa4_in_half_precision_where_it_runs
     assert tree_ops.choose_tree_backend("triton", pack, "cuda", torch.bfloat16, 128) == "triton"
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: True)
     assert pick("cuda", torch.bfloat16) == "flat"  # a pack that shares little runs flat, FA4 or not
-    monkeypatch.setattr(tree_ops, "fa4_available", lambda device: False)
+    monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: False)
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
     assert pick("cuda", torch.bfloat16) == "triton"
 
 
 def test_while_tracing_auto_uses_only_a_cached_flat_decision(monkeypatch):
     pack = small_pack()
-    monkeypatch.setattr(tree_ops, "fa4_available", lambda device: False)
+    monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
 
     def host_work(pack):

@@ -38,7 +38,7 @@ from .flex import flex_attention
 from .flex_tree import tree_block_mask
 
 __all__ = ["FA4_DTYPES", "FA4_MAX_HEAD_DIM", "FA4_MIN_CAPABILITY", "FA4_NEEDS", "fa4_available",
-           "fa4_importable", "fa4_tree_attention", "runs_fa4"]
+           "fa4_importable", "fa4_takes", "fa4_tree_attention", "runs_fa4"]
 
 FA4_MIN_CAPABILITY = (9, 0)
 FA4_DTYPES = (torch.float16, torch.bfloat16)
@@ -65,10 +65,16 @@ def fa4_available(device) -> bool:
     return torch.cuda.get_device_capability(device) >= FA4_MIN_CAPABILITY and fa4_importable()
 
 
+def fa4_takes(device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether FA4 runs inputs of ``dtype`` and ``head_dim`` on ``device``: fp16 / bf16 on a capable GPU, a
+    head dim that is a multiple of 8 up to 256."""
+    return (dtype in FA4_DTYPES and head_dim % 8 == 0 and head_dim <= FA4_MAX_HEAD_DIM
+            and fa4_available(device))
+
+
 def runs_fa4(q: torch.Tensor) -> bool:
-    """Whether FA4 takes ``q``: fp16 / bf16 on a capable GPU, a head dim that is a multiple of 8 up to 256."""
-    d = q.shape[-1]
-    return q.dtype in FA4_DTYPES and d % 8 == 0 and d <= FA4_MAX_HEAD_DIM and fa4_available(q.device)
+    """Whether FA4 takes ``q`` (:func:`fa4_takes`)."""
+    return fa4_takes(q.device, q.dtype, q.shape[-1])
 
 
 def fa4_tree_attention(q, k, v, pack, *, scale=None):

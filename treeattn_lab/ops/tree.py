@@ -24,7 +24,7 @@ import torch
 
 from .. import reference
 from .backends import available_backends, choose_backend
-from .fa4_tree import FA4_MAX_HEAD_DIM, fa4_available, fa4_tree_attention
+from .fa4_tree import fa4_takes, fa4_tree_attention
 from .flat_tree import flat_tree_attention, prefers_flat
 from .validation import check_qkv, check_scale
 from .varlen_tree import varlen_tree_attention
@@ -45,7 +45,7 @@ def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype, head_dim
     decided = not torch.compiler.is_compiling() or "flat_pair_ratio" in pack._cache
     if half_on_gpu and decided and prefers_flat(pack):
         return choose_backend(backend, device, low_sharing=True)
-    if half_on_gpu and head_dim % 8 == 0 and head_dim <= FA4_MAX_HEAD_DIM and fa4_available(device):
+    if half_on_gpu and fa4_takes(device, dtype, head_dim):
         return "fa4"
     return choose_backend(backend, device)
 
