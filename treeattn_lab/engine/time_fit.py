@@ -86,6 +86,12 @@ def model_work(model: nn.Module) -> dict:
     return {"flops_per_token": per_token, "flops_per_pair": per_pair, "known": bool(weights)}
 
 
+def _flops_weights(work: dict | None) -> tuple[float, float]:
+    """FLOPs per token and per attention pair of the model's :func:`model_work` (without one: 1 per token
+    and :data:`DEFAULT_PAIR_TOKEN_RATIO` per pair)."""
+    return (work["flops_per_token"], work["flops_per_pair"]) if work else (1.0, DEFAULT_PAIR_TOKEN_RATIO)
+
+
 def fit_time(A, b, work: dict | None = None) -> tuple[list[float], dict]:
     """One mode's time coefficients from features ``A [n, 4]`` (:data:`TIME_FEATURES`) and seconds ``b``.
 
@@ -109,8 +115,7 @@ def fit_time(A, b, work: dict | None = None) -> tuple[list[float], dict]:
         # budget runs one call): no fit can tell them from the constant, which carries them
         A = torch.cat([A[:, :3], torch.zeros_like(A[:, 3:])], 1)
     known = bool(work and work.get("known"))
-    per_token = work["flops_per_token"] if work else 1.0
-    per_pair = work["flops_per_pair"] if work else DEFAULT_PAIR_TOKEN_RATIO
+    per_token, per_pair = _flops_weights(work)
     fastest = 1.0 / MAX_PLAUSIBLE_FLOPS if known else 0.0  # seconds per FLOP, at the very least
     floor = torch.tensor([0.0, per_token * fastest, per_pair * fastest, 0.0], dtype=torch.float64)
     x, cond = nnls_normalized(A, b, floor)
@@ -176,8 +181,7 @@ def fit_host_bound(A, b, work: dict | None = None) -> tuple[list[float], list[fl
     linear = info["rel_rms_residual"]
     info.update(host="none", host_bound=0, linear_rel_rms_residual=linear)
     H = A[:, [0, 3]]
-    per_token = work["flops_per_token"] if work else 1.0
-    per_pair = work["flops_per_pair"] if work else DEFAULT_PAIR_TOKEN_RATIO
+    per_token, per_pair = _flops_weights(work)
     flops = (per_token * A[:, 1] + per_pair * A[:, 2]).clamp_min(1.0)
     order = torch.argsort(-b / flops, stable=True)  # the slowest per FLOP first: the likeliest host-bound
     best = None  # (residual, theta, eta, info, host-bound count)
