@@ -1,5 +1,5 @@
-"""The sparse-training experiment: the passkey probe, equal-FLOP window sizing, targets, tiny mode end to
-end through the command line, and the merge of per-seed runs."""
+"""The sparse-training experiment: the passkey probe, the pretraining curriculum, equal-FLOP window sizing,
+targets, tiny mode end to end through the command line, and the merge of per-seed runs."""
 
 import json
 import math
@@ -19,6 +19,7 @@ from treeattn_lab.experiments.sparse_training import (
     train_phase,
     window_pattern,
 )
+from treeattn_lab.experiments.sparse_training_config import ExperimentConfig, Stage
 from treeattn_lab.experiments.sparse_training_targets import DENSE_RETRIEVAL_FLOOR
 from treeattn_lab.reference import TinyLM
 
@@ -38,6 +39,23 @@ def test_the_needle_sits_where_the_depth_says_and_the_answer_ends_the_sample(dep
     assert decode(tokens[-len(key):]) == key
     assert torch.equal(tokens[:start], filler[:start])  # the text before the needle is untouched
     assert torch.equal(tokens[start + len(needle):-len(question)], filler[start:room])
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_the_key_mark_is_a_byte_the_corpus_never_holds(split):
+    (mark,) = passkey.KEY_MARK.encode()
+    assert not bool((load_corpus(split) == mark).any())
+
+
+def test_in_a_sample_the_mark_occurs_only_right_before_each_copy_of_the_key():
+    key = "7305"
+    tokens, start = passkey.passkey_sample(load_corpus("train")[5000:5400], key, 0.4)
+    (mark,) = passkey.KEY_MARK.encode()
+    where = (tokens == mark).nonzero().flatten().tolist()
+    assert len(where) == 3 and where[-1] == tokens.numel() - len(key) - 1  # twice in the needle, once asked
+    assert start < where[0] < where[1] < start + len(passkey.needle_text(key))
+    assert all(decode(tokens[i + 1:i + 1 + len(key)]) == key for i in where)
+    assert passkey.passkey_overhead(4) == len(passkey.needle_text(key)) + len(passkey.question_text(key))
 
 
 def test_probe_samples_that_do_not_fit_or_bad_depths_are_refused():
@@ -65,7 +83,7 @@ def test_training_batches_are_seeded_and_mark_the_answer_digits():
         assert answer[row].sum() == 4 and answer[row, -4:].all()
         digits = decode(targets_[row, answer[row]])
         assert digits.isdigit()
-        assert f"The pass key is {digits}. Remember it." in decode(inputs[row])
+        assert f"The pass key is {passkey.KEY_MARK}{digits}. Remember it." in decode(inputs[row])
     assert not batch(3, 0.0)[2].any() and batch(3, 1.0)[2][:, -4:].all()
 
 
@@ -77,6 +95,61 @@ def test_scores_are_greedy_exact_match_and_per_digit_accuracy():
     exact, digit = passkey.passkey_scores(logits, samples, digits=2)
     assert exact.tolist() == [True, False]
     assert digit.tolist() == [1.0, 0.5]
+
+
+# ---------------------------------------------------------------------------------------------- curriculum
+def test_the_curriculum_runs_its_stages_in_order_on_one_model_and_records_each(monkeypatch):
+    stages = (Stage(100, 3, 2), Stage(128, 2, 3), Stage(160, 4, 1))
+    cfg = replace(MODES["tiny"], pretrain=stages, seq_len=160)
+    calls = []
+
+    def recording(model, attention, cfg_, **kw):
+        before = [p.detach().clone() for p in model.parameters()]
+        history = train_phase(model, attention, cfg_, **kw)
+        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        calls.append({**kw, "model": model, "attention": attention, "changed": changed})
+        return history
+
+    monkeypatch.setattr(sparse_training, "train_phase", recording)
+    torch.manual_seed(0)
+    model = TinyLM(cfg.model)
+    history = sparse_training.pretrain(model, cfg, seed=4, progress=False)
+    assert [(c["seq_len"], c["steps"], c["batch_size"]) for c in calls] == [tuple(vars(s).values())
+                                                                           for s in stages]
+    assert all(c["model"] is model and c["changed"] for c in calls)  # one model trained stage after stage
+    assert all(c["attention"] is causal_sdpa and c["lr"] == cfg.lr for c in calls)  # dense, pretraining lr
+    assert len({c["seed"] for c in calls}) == 3, "each stage draws its own batches"
+    assert history["seq_len"] == [100] * 3 + [128] * 2 + [160] * 4
+    for key in ("loss", "lm_loss", "key_loss", "step_ms"):
+        assert len(history[key]) == 9
+    assert all(math.isfinite(x) for x in history["lm_loss"])
+    again = sparse_training.pretrain(TinyLM(cfg.model), cfg, seed=4, progress=False)
+    assert again["seq_len"] == history["seq_len"] and len(calls) == 6
+
+
+def test_curricula_that_shrink_overrun_or_cannot_hold_the_passkey_are_refused():
+    with pytest.raises(ValueError, match="grow stage by stage"):
+        ExperimentConfig(pretrain=(Stage(256, 5, 2), Stage(128, 5, 2)))
+    with pytest.raises(ValueError, match="grow stage by stage"):
+        ExperimentConfig(pretrain=(Stage(128, 5, 2), Stage(1024, 5, 2)), seq_len=512)
+    with pytest.raises(ValueError, match="cannot hold the passkey"):
+        ExperimentConfig(pretrain=(Stage(80, 5, 2),), digits=4)
+    with pytest.raises(TypeError, match="non-empty tuple of Stage"):
+        ExperimentConfig(pretrain=())
+    with pytest.raises(TypeError, match="non-empty tuple of Stage"):
+        ExperimentConfig(pretrain=((128, 5, 2),))
+    with pytest.raises(ValueError, match="Stage.steps"):
+        Stage(128, 0, 2)
+    with pytest.raises(TypeError, match="Stage.batch_size"):
+        Stage(128, 5, 2.0)
+
+
+def test_every_mode_learns_the_key_at_a_short_context_before_the_long_one():
+    for name, cfg in MODES.items():
+        lengths = [s.seq_len for s in cfg.pretrain]
+        assert lengths == sorted(lengths) and lengths[-1] <= cfg.seq_len, name
+        assert len(cfg.pretrain) >= 2, name
+    assert all(MODES[m].model.n_layers >= 2 for m in MODES)  # an induction head takes two layers
 
 
 # ---------------------------------------------------------------------------------------------- window sizing
@@ -185,7 +258,7 @@ def test_the_answer_loss_curve_skips_nan():
         histories[f"{variant}/seed0"] = {"lm_loss": [1.0, 1.1, 1.2], "key_loss": [2.0, nan, nan]}
         histories[f"{variant}/seed1"] = {"lm_loss": [1.2, 1.3, 1.4], "key_loss": [4.0, 1.0, nan]}
     result = {"summary": [{"variant": v} for v in VARIANTS], "histories": histories,
-              "config": {"short_len": 8, "seq_len": 16}}
+              "config": {"seq_len": 16}}
     fig = viz.draw_training_curves(result)
     curves = {(t.legendgroup, t.xaxis): t for t in fig.data}
     assert list(curves["pretrain", "x2"].y) == [None, 2.0]
@@ -248,8 +321,12 @@ def test_tiny_mode_writes_every_measurement(tiny_runs):
             assert isinstance(t["met"], bool), name
     for variant in ("pretrain", *VARIANTS):
         history = run["histories"][f"{variant}/seed0"]
-        steps = cfg.short_steps if variant == "pretrain" else cfg.steps
+        steps = sum(s.steps for s in cfg.pretrain) if variant == "pretrain" else cfg.steps
         assert len(history["loss"]) == len(history["step_ms"]) == steps
+    assert run["histories"]["pretrain/seed0"]["seq_len"] == [s.seq_len for s in cfg.pretrain for _ in
+                                                             range(s.steps)]
+    assert run["config"]["pretrain"] == [{"seq_len": s.seq_len, "steps": s.steps, "batch_size": s.batch_size}
+                                         for s in cfg.pretrain]
     assert run["histories"]["pretrain/seed0"]["loss"][-1] < run["histories"]["pretrain/seed0"]["loss"][0]
     assert run["environment"]["device"] and run["bench"] == "sparse-training-tiny"
 
@@ -321,7 +398,7 @@ def test_drawings_show_the_merged_numbers(tiny_runs):
     dense = [t for t in curves.data if t.legendgroup == "dense"]
     assert len(dense) == 2  # next-byte loss and answer loss
     cfg = merged["config"]
-    assert dense[0].x[0] == cfg["short_steps"] and len(dense[0].y) == cfg["steps"]
+    assert dense[0].x[0] == sum(s["steps"] for s in cfg["pretrain"]) and len(dense[0].y) == cfg["steps"]
     runs = [merged["histories"][f"dense/seed{s}"]["lm_loss"] for s in (0, 1)]
     assert list(dense[0].y) == pytest.approx([(a + b) / 2 for a, b in zip(*runs, strict=True)])
     retrieval = viz.draw_retrieval_by_depth(merged)

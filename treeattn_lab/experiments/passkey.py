@@ -1,10 +1,17 @@
 """A passkey retrieval probe built into corpus text: find a few random digits hidden at some depth.
 
 A sample is ``seq_len + 1`` byte tokens: corpus text with a *needle* sentence inserted, and a question
-whose answer ends the sample::
+whose answer ends the sample (``#`` stands for :data:`KEY_MARK`)::
 
-    <text ...> The pass key is 48213. Remember it. 48213 is the pass key. <... text>
-    What is the pass key? The pass key is 48213
+    <text ...> The pass key is #48213. Remember it. #48213 is the pass key. <... text>
+    What is the pass key? #48213
+
+The key is always written right after :data:`KEY_MARK`, a byte the corpus never holds, so in a sample the
+mark occurs only before a copy of the key. That makes the task one a small byte model can learn: at the
+question's mark, find the earlier marks and copy the digit after them, then the digit after that (an
+induction head: a previous-token head in one layer, a matching head in the next). Without the mark the
+last bytes before the answer (``"is "``) occur all over the text and nothing points at the needle. The
+needle's second copy of the key gives the next-byte loss the same copy to learn at short range.
 
 The needle starts at ``round(depth * room)``, ``room`` being the text bytes around it, so depth 0 puts it
 first and depth 1 right before the question. The answer's digits are the sample's last ``digits``
@@ -20,13 +27,22 @@ import torch
 
 from ..checks import check_int
 
+# ASCII record separator: absent from the corpus (the test suite checks both splits)
+KEY_MARK = "\x1e"
+
 
 def needle_text(key: str) -> str:
-    return f" The pass key is {key}. Remember it. {key} is the pass key. "
+    return f" The pass key is {KEY_MARK}{key}. Remember it. {KEY_MARK}{key} is the pass key. "
 
 
 def question_text(key: str) -> str:
-    return f"\nWhat is the pass key? The pass key is {key}"
+    return f"\nWhat is the pass key? {KEY_MARK}{key}"
+
+
+def passkey_overhead(digits: int) -> int:
+    """Bytes the needle and the question of a ``digits``-digit key take: a sample must be longer."""
+    key = "0" * check_int("digits", digits)
+    return len(needle_text(key).encode()) + len(question_text(key).encode())
 
 
 def random_key(digits: int, generator: torch.Generator) -> str:

@@ -4,9 +4,11 @@ The claim (MTraining): extending a model to long context with dynamic vertical-s
 keeps its quality. Protocol, per seed, on the bundled byte-level corpus (:mod:`treeattn_lab.corpus`) with
 passkey samples mixed in (:mod:`.passkey`):
 
-1. **Short context**: a :class:`~treeattn_lab.reference.TinyLM` trains densely on ``short_len``-byte
-   windows, a share ``passkey_share`` of them passkey samples (the needle at a random depth, the answer at
-   the end). The loss is the next-byte loss plus the mean loss of the answer's digits.
+1. **Dense curriculum** (``pretrain``, :class:`~.sparse_training_config.Stage`): a
+   :class:`~treeattn_lab.reference.TinyLM` trains densely in stages of growing context, a share
+   ``passkey_share`` of the windows passkey samples (the needle at a random depth, the answer at the
+   end): first short enough that copying the key is learned quickly, then longer up to the pretraining
+   length. The loss is the next-byte loss plus the mean loss of the answer's digits.
 2. **Extension**: from that one checkpoint three copies train ``steps`` steps at ``seq_len`` on identical
    batches, with
    - ``dense``: causal attention;
@@ -26,11 +28,12 @@ retrieval within 5 points of dense; sparse at least 10 points above the window; 
 model retrieves (``DENSE_RETRIEVAL_FLOOR``); otherwise they are recorded with ``met: None``. The means
 over seeds and the targets are computed in :mod:`.sparse_training_targets`.
 
-Modes: ``tiny`` (the test and notebook 05, well under a minute on a CPU), ``quick`` (minutes on a
-CPU), ``smoke`` (the full mode's model and kernels on a GPU at 4K tokens, a few steps), ``full`` (one
-H200: bf16 autocast, 32K tokens). Seeds are independent: run them in one process or one process each
-and join the JSON files with ``--merge``. On a CPU shared with other work, ``OMP_NUM_THREADS=1`` keeps the
-small matrix products from competing for cores.
+The settings and the modes live in :mod:`.sparse_training_config`. Modes: ``tiny`` (the test and
+notebook 05, well under a minute on a CPU), ``quick`` (minutes per seed on a CPU; the dense model learns
+the passkey), ``smoke`` (the full mode's model and kernels on a GPU at 4K tokens, a few steps), ``full``
+(one H200: bf16 autocast, 32K tokens). Seeds are independent: run them in one process or one process
+each and join the JSON files with ``--merge``. On a CPU shared with other work, ``OMP_NUM_THREADS=1``
+keeps the small matrix products from competing for cores.
 
     python -m treeattn_lab.experiments.sparse_training --mode full --seeds 0,1,2
 """
@@ -45,82 +48,24 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..bench.harness import synchronize
-from ..corpus import VOCAB_SIZE, adamw, causal_sdpa, evaluate_loss, load_corpus, lr_factor
-from ..ops.dynamic_sparse import DynamicSparseAttention, SparseBudget, fixed_pattern_attention
+from ..corpus import adamw, causal_sdpa, evaluate_loss, load_corpus, lr_factor
+from ..ops.dynamic_sparse import DynamicSparseAttention, fixed_pattern_attention
 from ..ops.sparse import sparse_attention
 from ..patterns.vertical_slash import VerticalSlashPattern
-from ..reference import TinyLM, TinyLMConfig
+from ..reference import TinyLM
 from .cli_args import seed_list
 from .passkey import passkey_batch, passkey_scores, probe_set
+from .sparse_training_config import MODES, ExperimentConfig
 from .sparse_training_targets import VARIANTS, summarize, targets, verdict
 
 BENCH_NAME = "sparse-training"
-
-
-def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, rope_theta: float = 10000.0
-            ) -> TinyLMConfig:
-    """A byte-level TinyLM's configuration."""
-    return TinyLMConfig(vocab_size=VOCAB_SIZE, dim=dim, n_layers=n_layers, n_heads=n_heads,
-                        n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, rope_theta=rope_theta)
-
-
-@dataclass(frozen=True)
-class ExperimentConfig:
-    model: TinyLMConfig = field(default_factory=lambda: byte_lm(64, 2, 4, 2, 172))
-    short_len: int = 256  # dense pretraining context
-    short_steps: int = 1200
-    short_batch: int = 16
-    seq_len: int = 512  # the long context all three variants train at
-    steps: int = 150
-    batch_size: int = 4
-    lr: float = 3e-3
-    extend_lr: float = 1e-3
-    n_vertical: int = 32  # the sparse budget per head (SparseBudget)
-    n_slash: int = 48
-    sinks: int = 4
-    local: int = 32
-    last_q: int = 64
-    block_size: int = 16
-    passkey_share: float = 0.5  # of the training samples
-    digits: int = 4
-    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    probes_per_depth: int = 8
-    eval_windows: int = 16  # validation windows of seq_len bytes
-    timing_reps: int = 2
-    bf16: bool = False  # autocast to bf16 on CUDA
-    seeds: tuple[int, ...] = (0,)
-
-    def budget(self) -> SparseBudget:
-        return SparseBudget(self.n_vertical, self.n_slash, sinks=self.sinks, local=self.local,
-                            last_q=self.last_q, block_size=self.block_size)
-
-
-# Full mode's budget: the sinks and a local band of 768 diagonals (7 block diagonals of tiles), 448 estimated
-# columns and only 16 estimated diagonals beyond the band, since a far diagonal costs a block diagonal of
-# tiles while a column costs one gathered bar.
-_FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0), short_len=8192,
-                         short_steps=1200, short_batch=8, seq_len=32768, steps=300, batch_size=1,
-                         n_vertical=512, n_slash=784, sinks=64, local=768, block_size=128,
-                         passkey_share=0.75, digits=5, probes_per_depth=8, eval_windows=4, timing_reps=10,
-                         bf16=True)
-MODES = {
-    "tiny": ExperimentConfig(model=byte_lm(32, 2, 2, 1, 64), short_len=128, short_steps=30, short_batch=8,
-                             seq_len=256, steps=8, batch_size=2, n_vertical=16, n_slash=24, sinks=4, local=16,
-                             last_q=16, block_size=16, digits=3, depths=(0.2, 0.5, 0.8), probes_per_depth=2,
-                             eval_windows=2, timing_reps=1),
-    "quick": ExperimentConfig(),
-    "smoke": replace(_FULL, short_len=1024, short_steps=10, short_batch=2, seq_len=4096, steps=5,
-                     n_vertical=128, n_slash=264, sinks=16, local=256, depths=(0.5,), probes_per_depth=1,
-                     eval_windows=1, timing_reps=2),
-    "full": _FULL,
-}
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -207,6 +152,21 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
         for key, value in (("loss", loss), ("lm_loss", lm_loss), ("key_loss", key_loss)):
             history[key].append(float(value.detach()))
         bar.set_postfix(lm=f"{history['lm_loss'][-1]:.3f}", key=f"{history['key_loss'][-1]:.2f}")
+    return history
+
+
+def pretrain(model, cfg: ExperimentConfig, seed: int, progress: bool = True) -> dict[str, list]:
+    """The dense curriculum: every stage of ``cfg.pretrain`` in order, each on its own stream of batches
+    (seed ``seed + 100_000 * stage``); one history of all their steps, with each step's context in
+    ``"seq_len"``."""
+    history: dict[str, list] = {}
+    for index, stage in enumerate(cfg.pretrain):
+        part = train_phase(model, causal_sdpa, cfg, seq_len=stage.seq_len, steps=stage.steps,
+                           batch_size=stage.batch_size, lr=cfg.lr, seed=seed + 100_000 * index,
+                           desc=f"seed {seed}: dense at {stage.seq_len}", progress=progress)
+        part["seq_len"] = [stage.seq_len] * stage.steps
+        for key, values in part.items():
+            history.setdefault(key, []).extend(values)
     return history
 
 
@@ -306,9 +266,7 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) ->
     start = time.perf_counter()
     torch.manual_seed(seed)
     base = TinyLM(cfg.model).to(device)
-    histories = {f"pretrain/seed{seed}": train_phase(
-        base, causal_sdpa, cfg, seq_len=cfg.short_len, steps=cfg.short_steps, batch_size=cfg.short_batch,
-        lr=cfg.lr, seed=seed, desc=f"seed {seed}: dense at {cfg.short_len}", progress=progress)}
+    histories = {f"pretrain/seed{seed}": pretrain(base, cfg, seed, progress)}
     probes = {depth: samples.to(device) for depth, samples in probe_set(
         load_corpus("validation"), cfg.depths, cfg.probes_per_depth, cfg.seq_len, cfg.digits,
         seed=10_000 + seed).items()}

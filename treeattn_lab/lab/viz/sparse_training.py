@@ -60,7 +60,7 @@ def draw_training_curves(result: Mapping) -> go.Figure:
     cfg = result["config"]
     for col in (1, 2):
         fig.add_vline(x=short, line=dict(color="#BBBBBB", dash="dot"), row=1, col=col)
-        fig.update_xaxes(title=f"step ({cfg['short_len']} tokens, then {cfg['seq_len']})", row=1, col=col)
+        fig.update_xaxes(title=f"step (dense pretraining, then {cfg['seq_len']} tokens)", row=1, col=col)
     fig.update_yaxes(title="nats per byte", row=1, col=1)
     fig.update_layout(template="plotly_white", height=380, title="Training: one dense start, three ways on")
     return fig

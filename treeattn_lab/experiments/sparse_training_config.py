@@ -1,0 +1,107 @@
+"""The sparse-training experiment's settings (:mod:`.sparse_training`): the dense pretraining curriculum,
+the long-context extension, the sparse budget and the four modes.
+
+The curriculum (:class:`Stage`, after MTraining, which extends its models in stages): the model first
+learns the passkey at a context short enough that the copy mechanism forms within a few hundred steps
+(an induction head needs at least two layers; the probe's key mark, :mod:`.passkey`, gives it one byte to
+match), then trains at contexts that grow stage by stage up to the pretraining length; the extension then
+trains three copies at ``seq_len``. Each stage starts its own AdamW with warmup and cosine decay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..checks import check_int
+from ..corpus import VOCAB_SIZE
+from ..ops.dynamic_sparse import SparseBudget
+from ..reference import TinyLMConfig
+from .passkey import passkey_overhead
+
+
+def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, rope_theta: float = 10000.0
+            ) -> TinyLMConfig:
+    """A byte-level TinyLM's configuration."""
+    return TinyLMConfig(vocab_size=VOCAB_SIZE, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                        n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, rope_theta=rope_theta)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One dense pretraining stage: ``steps`` AdamW steps on batches of ``batch_size`` windows of
+    ``seq_len`` bytes."""
+
+    seq_len: int
+    steps: int
+    batch_size: int
+
+    def __post_init__(self):
+        for name in ("seq_len", "steps", "batch_size"):
+            check_int(f"Stage.{name}", getattr(self, name))
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """One run of the protocol. ``pretrain``: the dense curriculum, its stages run in order at
+    contexts that never shrink and never exceed ``seq_len``; every sample of every stage must hold the
+    passkey's needle and question."""
+
+    model: TinyLMConfig = field(default_factory=lambda: byte_lm(64, 3, 4, 2, 172))
+    pretrain: tuple[Stage, ...] = (Stage(128, 600, 16), Stage(256, 400, 16))
+    seq_len: int = 512  # the long context all three variants train at
+    steps: int = 150
+    batch_size: int = 4
+    lr: float = 3e-3
+    extend_lr: float = 1e-3
+    n_vertical: int = 32  # the sparse budget per head (SparseBudget)
+    n_slash: int = 48
+    sinks: int = 4
+    local: int = 32
+    last_q: int = 64
+    block_size: int = 16
+    passkey_share: float = 0.75  # of the training samples
+    digits: int = 4
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    probes_per_depth: int = 8
+    eval_windows: int = 16  # validation windows of seq_len bytes
+    timing_reps: int = 2
+    bf16: bool = False  # autocast to bf16 on CUDA
+    seeds: tuple[int, ...] = (0,)
+
+    def __post_init__(self):
+        if not self.pretrain or not all(isinstance(s, Stage) for s in self.pretrain):
+            raise TypeError(f"pretrain must be a non-empty tuple of Stage, got {self.pretrain!r}")
+        lengths = [s.seq_len for s in self.pretrain]
+        if lengths != sorted(lengths) or lengths[-1] > self.seq_len:
+            raise ValueError(f"the pretraining contexts must grow stage by stage up to at most seq_len "
+                             f"{self.seq_len}, got {lengths}")
+        if lengths[0] <= passkey_overhead(self.digits):
+            raise ValueError(f"a {lengths[0]}-byte sample of the first stage cannot hold the passkey's "
+                             f"needle and question ({passkey_overhead(self.digits)} bytes for {self.digits} "
+                             "digits)")
+
+    def budget(self) -> SparseBudget:
+        return SparseBudget(self.n_vertical, self.n_slash, sinks=self.sinks, local=self.local,
+                            last_q=self.last_q, block_size=self.block_size)
+
+
+# Full mode's curriculum: the key is learned at 512 bytes, then 2K and 8K; the extension trains at 32K.
+# Full mode's budget: the sinks and a local band of 768 diagonals (7 block diagonals of tiles), 448 estimated
+# columns and only 16 estimated diagonals beyond the band, since a far diagonal costs a block diagonal of
+# tiles while a column costs one gathered bar.
+_FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0),
+                         pretrain=(Stage(512, 1000, 64), Stage(2048, 600, 16), Stage(8192, 1000, 8)),
+                         seq_len=32768, steps=400, batch_size=1, n_vertical=512, n_slash=784, sinks=64,
+                         local=768, block_size=128, digits=5, probes_per_depth=8, eval_windows=4,
+                         timing_reps=10, bf16=True)
+MODES = {
+    "tiny": ExperimentConfig(model=byte_lm(32, 2, 2, 1, 64), pretrain=(Stage(128, 20, 8), Stage(256, 10, 4)),
+                             seq_len=256, steps=8, batch_size=2, n_vertical=16, n_slash=24, sinks=4, local=16,
+                             last_q=16, block_size=16, passkey_share=0.5, digits=3, depths=(0.2, 0.5, 0.8),
+                             probes_per_depth=2, eval_windows=2, timing_reps=1),
+    "quick": ExperimentConfig(),
+    "smoke": replace(_FULL, pretrain=(Stage(512, 5, 4), Stage(1024, 5, 2)), seq_len=4096, steps=5,
+                     n_vertical=128, n_slash=264, sinks=16, local=256, depths=(0.5,), probes_per_depth=1,
+                     eval_windows=1, timing_reps=2),
+    "full": _FULL,
+}
