@@ -28,7 +28,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import hf_attention
 
@@ -93,15 +92,8 @@ class TinyLMAdapter(ModelAdapter):
         super().__init__(model, num_layers=model.cfg.n_layers, vocab_size=model.cfg.vocab_size)
 
     def hidden(self, input_ids, position_ids, attention: LayerAttention):
-        m = self.model
-        x = m.embed(input_ids)
-        for layer, block in enumerate(m.blocks):
-            layer_attention = partial(_call_with_layer, attention, layer)
-            if m.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, position_ids, layer_attention, use_reentrant=False)
-            else:
-                x = block(x, position_ids, layer_attention)
-        return m.norm(x)
+        per_layer = [partial(_call_with_layer, attention, layer) for layer in range(self.num_layers)]
+        return self.model.hidden(input_ids, position_ids, per_layer)
 
     @property
     def head(self):

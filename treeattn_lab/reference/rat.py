@@ -29,7 +29,7 @@ from einops import rearrange
 from torch import nn
 
 from .scan import gated_scan
-from .tiny_lm import Attention, TinyLM, TinyLMConfig, rope
+from .tiny_lm import Attention, Rotary, TinyLM, TinyLMConfig
 
 Scan = Callable[..., torch.Tensor]  # scan(x, g, dim=...) -> h, e.g. treeattn_lab.ops.gated_scan
 
@@ -52,14 +52,13 @@ class RATAttention(nn.Module):
         kv = self.scan(torch.cat([k, v], dim=-1), torch.cat([gate, gate], dim=-1), dim=-3)
         return kv.chunk(2, dim=-1)
 
-    def forward(self, x, position_ids, attention: Attention):
+    def forward(self, x, rotary: Rotary, attention: Attention):
         hd = self.cfg.head_dim
         o, q, k, v, g = (
             rearrange(t, "... n (h d) -> ... n h d", d=hd) for t in self.w_in(x).split(self.split_sizes, -1)
         )
         k, v = self.recurrent_kv(k, v, torch.sigmoid(g))
-        theta = self.cfg.rope_theta
-        out = attention(rope(q, position_ids, theta), rope(k, position_ids, theta), v)
+        out = attention(rotary(q), rotary(k), v)
         out = out * torch.sigmoid(o)
         return self.wo(rearrange(out, "... n h d -> ... n (h d)"))
 

@@ -58,23 +58,49 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # at least float32 for the statistics, but never below the input: float64 stays float64
+        # x * rsqrt(mean(x^2) + eps) * weight, computed in at least float32 but never below the input
+        # (float64 stays float64); one fused kernel where torch has one (CUDA)
         dtype = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(dtype)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.to(dtype)).to(x.dtype)
+        return F.rms_norm(x.to(dtype), x.shape[-1:], self.weight.to(dtype), self.eps).to(x.dtype)
+
+
+class Rotary:
+    """Rotary embedding (rotate-half form) at ``position_ids [..., N]``: the angles are computed once,
+    in float64, when the object is made, and every layer rotates its queries and keys with them.
+
+    ``rotary(x)`` rotates ``x [..., N, H, D]``; the cos/sin tables are cast to ``x``'s dtype once per
+    dtype (under autocast, q and k may come out of their projections in a lower precision than the
+    residual stream).
+    """
+
+    def __init__(self, position_ids: torch.Tensor, head_dim: int, theta: float):
+        inv_freq = 1.0 / theta ** (
+            torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim
+        )
+        angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [..., N, D/2]
+        angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., N, 1, D]
+        self.head_dim = head_dim
+        self._angles = angles
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[..., N, 1, D]`` in ``dtype``."""
+        if dtype not in self._tables:
+            self._tables[dtype] = (self._angles.cos().to(dtype), self._angles.sin().to(dtype))
+        return self._tables[dtype]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        if d != self.head_dim:
+            raise ValueError(f"rotary tables were made for head_dim {self.head_dim}, got {d}")
+        cos, sin = self.tables(x.dtype)
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form) of ``x [..., N, H, D]`` at ``position_ids [..., N]``."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)
-    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [..., N, D/2]
-    angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., N, 1, D]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    return Rotary(position_ids, x.shape[-1], theta)(x)
 
 
 class SelfAttention(nn.Module):
@@ -87,13 +113,12 @@ class SelfAttention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
-    def forward(self, x, position_ids, attention: Attention):
+    def forward(self, x, rotary: Rotary, attention: Attention):
         hd = self.cfg.head_dim
         q = rearrange(self.wq(x), "... n (h d) -> ... n h d", d=hd)
         k = rearrange(self.wk(x), "... n (h d) -> ... n h d", d=hd)
         v = rearrange(self.wv(x), "... n (h d) -> ... n h d", d=hd)
-        q, k = rope(q, position_ids, self.cfg.rope_theta), rope(k, position_ids, self.cfg.rope_theta)
-        out = attention(q, k, v)
+        out = attention(rotary(q), rotary(k), v)
         return self.wo(rearrange(out, "... n h d -> ... n (h d)"))
 
 
@@ -116,8 +141,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, position_ids, attention: Attention):
-        x = x + self.attn(self.attn_norm(x), position_ids, attention)
+    def forward(self, x, rotary: Rotary, attention: Attention):
+        x = x + self.attn(self.attn_norm(x), rotary, attention)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -152,13 +177,23 @@ class TinyLM(nn.Module):
         per_layer = list(attention) if isinstance(attention, Sequence) else [attention] * len(self.blocks)
         if len(per_layer) != len(self.blocks):
             raise ValueError(f"got {len(per_layer)} attention callables for {len(self.blocks)} layers")
+        return self.head(self.hidden(input_ids, position_ids, per_layer))
+
+    def rotary(self, position_ids: torch.Tensor) -> Rotary:
+        """The rotary embedding every layer applies at ``position_ids``."""
+        return Rotary(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def hidden(self, input_ids, position_ids, per_layer: Sequence[Attention]) -> torch.Tensor:
+        """The final norm's output for ``input_ids`` with attention ``per_layer[i]`` in layer ``i``
+        (no checks: :meth:`forward` makes them)."""
         x = self.embed(input_ids)
+        rotary = self.rotary(position_ids)
         for block, layer_attention in zip(self.blocks, per_layer, strict=True):
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, position_ids, layer_attention, use_reentrant=False)
+                x = checkpoint(block, x, rotary, layer_attention, use_reentrant=False)
             else:
-                x = block(x, position_ids, layer_attention)
-        return self.head(self.norm(x))
+                x = block(x, rotary, layer_attention)
+        return self.norm(x)
 
     def forward_padded(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Per-sequence logits ``[B, L, V]`` for a padded batch, with flat causal attention."""
