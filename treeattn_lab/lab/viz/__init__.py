@@ -13,6 +13,7 @@ module                    what it draws
 :mod:`.tiles`             the tree kernel's tile schedule (skipped / full / partial) over the mask
 :mod:`.dfs`               the DFS engine event by event: blocks, K/V stack, gradient buffers
 :mod:`.engine_modes`      flat / packed / dfs side by side: tokens held, peak memory, gradient errors
+:mod:`.step_profile`      where a step's time goes: aten ops, kernel launches, ops per call, GPU busy / idle
 :mod:`.micro_batches`     a trie cut into micro-batches, with the cost model's choice per micro-batch
 :mod:`.balance`           partitions over ranks, their loads, sweeps over K, a measured step per rank
 :mod:`.sparse_patterns`   attention maps, vertical-slash patterns and their recall
@@ -62,6 +63,7 @@ from .rl import LOOP_COLORS, add_grpo_record, draw_grpo_live, draw_phase_times, 
 from .sparse_patterns import draw_attention_maps, draw_pattern, draw_recall
 from .sparse_training import draw_retrieval_by_depth, draw_training_curves, draw_training_times
 from .stats import draw_stats_bars, draw_stats_table
+from .step_profile import committed_profile_rows, draw_step_profile, model_calls, with_model_calls
 from .style import (
     BACKEND_COLORS,
     DIMMED_COLOR,
@@ -99,6 +101,7 @@ __all__ = [
     "add_grpo_record",
     "add_speed_point",
     "bfs_nodes",
+    "committed_profile_rows",
     "draw_attention_maps",
     "draw_backend_times",
     "draw_balance_sweep",
@@ -129,6 +132,7 @@ __all__ = [
     "draw_speed_sweep",
     "draw_stats_bars",
     "draw_stats_table",
+    "draw_step_profile",
     "draw_tile_schedule",
     "draw_train_bench",
     "draw_training_curves",
@@ -142,9 +146,11 @@ __all__ = [
     "micro_batch_choices",
     "micro_batch_colors",
     "mode_memory_rows",
+    "model_calls",
     "node_size",
     "rank_colors",
     "restyle_dfs_step",
     "tile_classes",
     "tree_layout",
+    "with_model_calls",
 ]
