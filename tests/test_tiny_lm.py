@@ -9,7 +9,7 @@ from tests.conftest import orders, rollout_forests, seeds
 from treeattn_lab import RolloutTrie
 from treeattn_lab import tree_attention as ops_tree_attention
 from treeattn_lab.reference import TinyLM, TinyLMConfig
-from treeattn_lab.reference.tiny_lm import rope
+from treeattn_lab.reference.tiny_lm import Rotary, rope
 
 VOCAB = 50
 
@@ -95,6 +95,23 @@ def test_rope_is_relative():
     torch.testing.assert_close(score(5, 3), score(12, 10))
     torch.testing.assert_close(score(0, 0), (q * k).sum())
     assert not torch.allclose(score(5, 3), score(5, 4))
+
+
+def test_rotary_tables_follow_the_input_dtype():
+    """One Rotary serves every layer: the float64 angles are cast once per dtype, and a bf16 query gets
+    bf16 tables (what autocast hands it) while a float32 key gets float32 ones, both equal to rope()."""
+    g = torch.Generator().manual_seed(1)
+    pos = torch.randint(0, 5000, (2, 7), generator=g)
+    rotary = Rotary(pos, 16, 500000.0)
+    x = torch.randn(2, 7, 3, 16, generator=g)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        out = rotary(x.to(dtype))
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, rope(x.to(dtype), pos, 500000.0), rtol=0, atol=0)
+    assert set(rotary._tables) == {torch.float32, torch.bfloat16}
+    assert rotary.tables(torch.float32)[0] is rotary.tables(torch.float32)[0]
+    with pytest.raises(ValueError, match="head_dim 16"):
+        rotary(torch.randn(2, 7, 3, 8))
 
 
 def test_rmsnorm_keeps_float64_precision():
