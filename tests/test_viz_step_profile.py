@@ -4,6 +4,7 @@ profile labelled from its file, and the drawing checked against the rows it draw
 from __future__ import annotations
 
 import copy
+import math
 import random
 
 import pytest
@@ -120,7 +121,10 @@ def test_step_profile_draws_the_rows_counts_per_call_and_busy_idle_split():
     per_call = {t.name: t for t in fig.data if t.xaxis == "x2"}
     assert list(per_call["dfs"].y) == pytest.approx([1500, 14000])
     assert list(per_call["packed"].y) == pytest.approx([2000, 20000])
-    assert per_call["dfs"].text[1] == "14,000 x 50 calls" and per_call["packed"].text[0] == "2,000 x 1 call"
+    assert (
+        per_call["dfs"].text[1] == "14,000<br>x 50 calls"
+        and per_call["packed"].text[0] == "2,000<br>x 1 call"
+    )
     wall = {t.name: t for t in fig.data if t.xaxis == "x3"}
     busy, idle, host = (wall[n] for n in ("GPU busy (kernels running)", "GPU idle (waiting on the host)",
                                           "CPU (host and device are one)"))  # fmt: skip
@@ -129,6 +133,8 @@ def test_step_profile_draws_the_rows_counts_per_call_and_busy_idle_split():
     assert list(busy.text[2:]) == ["80%", "25%"] and list(idle.text[2:]) == ["20%", "75%"]
     assert list(host.y[:2]) == pytest.approx([1.0, 2.5]) and host.y[2] is None and busy.y[0] is None
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+    low, high = fig.layout.yaxis2.range  # a decade below the smallest bar, room above the largest label
+    assert low <= math.log10(1500) - 1 and high > math.log10(20000)
     assert fig.layout.width <= style.MAX_FIGURE_WIDTH
 
 

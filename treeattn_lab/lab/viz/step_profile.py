@@ -37,7 +37,7 @@ from .style import (
 
 PROFILED_MODES = ("packed", "dfs")  # the modes whose calls are counted: one trie per micro-batch
 REQUIRED = ("machine", "mode", "aten_ops", "wall_s", "model_calls")
-BUSY_COLOR = "#4C78A8"
+BUSY_COLOR = "#B279A2"
 IDLE_COLOR = "#D8D8D8"
 HOST_COLOR = "#72B7B2"
 
@@ -156,7 +156,7 @@ def _add_per_call_bars(fig, rows, machines, modes) -> None:
     for mode in modes:
         picked = [by[(m, mode)] for m in machines if (m, mode) in by]
         ys = [r["aten_ops"] / r["model_calls"] for r in picked]
-        labels = [f"{y:,.0f} x {_calls(r['model_calls'])}" for y, r in zip(ys, picked, strict=True)]
+        labels = [f"{y:,.0f}<br>x {_calls(r['model_calls'])}" for y, r in zip(ys, picked, strict=True)]
         _mode_bars(
             fig,
             2,
@@ -218,12 +218,22 @@ def _add_wall_bars(fig, rows, reference: dict[str, float]) -> None:
                 marker_color=color,
                 text=labels,
                 textposition="inside",
+                textangle=0,
                 customdata=[t or 0.0 for t in secs],
                 hovertemplate=f"%{{x}}: %{{customdata:.3f}} s {name}<extra></extra>",
             ),
             row=1,
             col=3,
         )
+
+
+def _log_range(values) -> list[float] | None:
+    """A log axis range from a decade below the smallest value to above the largest label, so that bar
+    heights compare as ratios from a common floor (None: nothing > 0 to draw)."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return None
+    return [math.floor(math.log10(min(positive))) - 1, math.log10(max(positive)) + 0.35]
 
 
 def draw_step_profile(rows: Sequence[Mapping], *, title: str | None = None) -> go.Figure:
@@ -266,12 +276,15 @@ def draw_step_profile(rows: Sequence[Mapping], *, title: str | None = None) -> g
         barmode="group",
         width=width,
         height=460 + top,
-        margin=dict(l=60, r=20, t=top, b=80),
-        legend=dict(orientation="h", y=-0.3),  # below the wall panel's two rows of labels
+        margin=dict(l=60, r=20, t=top, b=90),
+        legend=dict(orientation="h", y=-0.2),  # below the two-line axis labels
     )
     fig.update_xaxes(tickfont=dict(size=10))
-    fig.update_yaxes(LOG_AXIS, row=1, col=1)
-    fig.update_yaxes(LOG_AXIS, row=1, col=2)
+    counts = [r[k] for r in rows for k in ("aten_ops", "kernel_launches") if r.get(k)]
+    fig.update_yaxes(LOG_AXIS, dtick=1, range=_log_range(counts), row=1, col=1)
+    fig.update_yaxes(
+        LOG_AXIS, dtick=1, range=_log_range([r["aten_ops"] / r["model_calls"] for r in rows]), row=1, col=2
+    )
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
     return fig
 
