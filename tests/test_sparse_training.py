@@ -138,6 +138,9 @@ def test_curricula_that_shrink_overrun_or_cannot_hold_the_passkey_are_refused():
         ExperimentConfig(pretrain=())
     with pytest.raises(TypeError, match="non-empty tuple of Stage"):
         ExperimentConfig(pretrain=((128, 5, 2),))
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="answer_weight"):
+            ExperimentConfig(answer_weight=bad)
     with pytest.raises(ValueError, match="Stage.steps"):
         Stage(128, 0, 2)
     with pytest.raises(TypeError, match="Stage.batch_size"):
@@ -229,7 +232,7 @@ def test_retrieval_targets_are_evaluated_from_the_floor_up():
 
 # ---------------------------------------------------------------------------------------------- answer loss
 def test_batches_without_a_passkey_record_nan_answer_loss_and_train_on_the_next_byte_loss():
-    cfg = MODES["tiny"]
+    cfg = replace(MODES["tiny"], answer_weight=3.0)
     histories = {}
     for share in (0.0, 0.5):
         torch.manual_seed(0)
@@ -243,7 +246,7 @@ def test_batches_without_a_passkey_record_nan_answer_loss_and_train_on_the_next_
     with_key = [not math.isnan(k) for k in mixed["key_loss"]]
     assert any(with_key) and not all(with_key), "share 0.5 over 8 single-sample batches mixes both (seed 5)"
     for loss, lm, key, has in zip(mixed["loss"], mixed["lm_loss"], mixed["key_loss"], with_key, strict=True):
-        assert loss == pytest.approx(lm + key if has else lm)
+        assert loss == pytest.approx(lm + 3.0 * key if has else lm)  # the answer loss weighs answer_weight
         assert math.isfinite(loss)
 
 

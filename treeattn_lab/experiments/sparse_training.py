@@ -8,7 +8,8 @@ passkey samples mixed in (:mod:`.passkey`):
    :class:`~treeattn_lab.reference.TinyLM` trains densely in stages of growing context, a share
    ``passkey_share`` of the windows passkey samples (the needle at a random depth, the answer at the
    end): first short enough that copying the key is learned quickly, then longer up to the pretraining
-   length. The loss is the next-byte loss plus the mean loss of the answer's digits.
+   length. The loss is the next-byte loss plus ``answer_weight`` times the mean loss of the answer's
+   digits.
 2. **Extension**: from that one checkpoint three copies train ``steps`` steps at ``seq_len`` on identical
    batches, with
    - ``dense``: causal attention;
@@ -120,8 +121,9 @@ def _losses(model, inputs, targets, answer, attention):
 
 def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps: int, batch_size: int,
                 lr: float, seed: int, desc: str, progress: bool = True) -> dict[str, list]:
-    """``steps`` AdamW steps of next-byte loss + answer-digit loss on passkey-mixed batches drawn from
-    ``seed`` (the same batches for every model given the same seed); returns the per-step history."""
+    """``steps`` AdamW steps of next-byte loss + ``cfg.answer_weight`` x answer-digit loss on passkey-mixed
+    batches drawn from ``seed`` (the same batches for every model given the same seed); returns the
+    per-step history."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -142,7 +144,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
         start = time.perf_counter()
         with _autocast(device, cfg):
             lm_loss, key_loss = _losses(model, inputs, targets, answer, attention)
-        loss = lm_loss + key_loss if bool(answer.any()) else lm_loss
+        loss = lm_loss + cfg.answer_weight * key_loss if bool(answer.any()) else lm_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -2,14 +2,20 @@
 the long-context extension, the sparse budget and the four modes.
 
 The curriculum (:class:`Stage`, after MTraining, which extends its models in stages): the model first
-learns the passkey at a context short enough that the copy mechanism forms within a few hundred steps
-(an induction head needs at least two layers; the probe's key mark, :mod:`.passkey`, gives it one byte to
-match), then trains at contexts that grow stage by stage up to the pretraining length; the extension then
-trains three copies at ``seq_len``. Each stage starts its own AdamW with warmup and cosine decay.
+learns the passkey at a context short enough that the copy mechanism forms within a few hundred steps,
+then trains at contexts that grow stage by stage up to the pretraining length; the extension then trains
+three copies at ``seq_len``. Each stage starts its own AdamW with warmup and cosine decay.
+
+What lets a small byte model learn the copy: the probe's key mark (:mod:`.passkey`), one byte to match;
+an induction head, which takes at least two layers (quick has three, full four); a key/value head of
+its own per query head (quick and full use no grouping, so the previous-token head and the matching
+head need not share keys); and the answer's loss weighed ``answer_weight`` times against the next-byte loss,
+since a few digits per sample are otherwise a small share of the gradient.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from ..checks import check_int
@@ -46,8 +52,8 @@ class ExperimentConfig:
     contexts that never shrink and never exceed ``seq_len``; every sample of every stage must hold the
     passkey's needle and question."""
 
-    model: TinyLMConfig = field(default_factory=lambda: byte_lm(64, 3, 4, 2, 172))
-    pretrain: tuple[Stage, ...] = (Stage(128, 600, 16), Stage(256, 400, 16))
+    model: TinyLMConfig = field(default_factory=lambda: byte_lm(64, 3, 4, 4, 172))
+    pretrain: tuple[Stage, ...] = (Stage(128, 800, 16), Stage(256, 600, 16))
     seq_len: int = 512  # the long context all three variants train at
     steps: int = 150
     batch_size: int = 4
@@ -60,6 +66,7 @@ class ExperimentConfig:
     last_q: int = 64
     block_size: int = 16
     passkey_share: float = 0.75  # of the training samples
+    answer_weight: float = 4.0  # of the answer digits' mean loss, added to the next-byte loss
     digits: int = 4
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     probes_per_depth: int = 8
@@ -69,6 +76,8 @@ class ExperimentConfig:
     seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self):
+        if not math.isfinite(self.answer_weight) or self.answer_weight < 0:
+            raise ValueError(f"answer_weight must be a finite number >= 0, got {self.answer_weight}")
         if not self.pretrain or not all(isinstance(s, Stage) for s in self.pretrain):
             raise TypeError(f"pretrain must be a non-empty tuple of Stage, got {self.pretrain!r}")
         lengths = [s.seq_len for s in self.pretrain]
@@ -89,7 +98,7 @@ class ExperimentConfig:
 # Full mode's budget: the sinks and a local band of 768 diagonals (7 block diagonals of tiles), 448 estimated
 # columns and only 16 estimated diagonals beyond the band, since a far diagonal costs a block diagonal of
 # tiles while a column costs one gathered bar.
-_FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 2, 688, rope_theta=500000.0),
+_FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 4, 688, rope_theta=500000.0),
                          pretrain=(Stage(512, 1000, 64), Stage(2048, 600, 16), Stage(8192, 1000, 8)),
                          seq_len=32768, steps=400, batch_size=1, n_vertical=512, n_slash=784, sinks=64,
                          local=768, block_size=128, digits=5, probes_per_depth=8, eval_windows=4,
