@@ -98,20 +98,28 @@ def test_rope_is_relative():
 
 
 def test_rotary_tables_follow_the_input_dtype():
-    """One Rotary serves every layer: the float64 angles are cast once per dtype, and a bf16 query gets
-    bf16 tables (what autocast hands it) while a float32 key gets float32 ones, both equal to rope()."""
+    """One Rotary serves every layer: tables made once in its dtype, and an input of another dtype
+    (bf16 under autocast, say) rotated with the float64 angles cast to its own; both equal rope()."""
     g = torch.Generator().manual_seed(1)
     pos = torch.randint(0, 5000, (2, 7), generator=g)
-    rotary = Rotary(pos, 16, 500000.0)
+    rotary = Rotary(pos, 16, 500000.0, torch.float32)
     x = torch.randn(2, 7, 3, 16, generator=g)
-    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
         out = rotary(x.to(dtype))
         assert out.dtype == dtype
         torch.testing.assert_close(out, rope(x.to(dtype), pos, 500000.0), rtol=0, atol=0)
-    assert set(rotary._tables) == {torch.float32, torch.bfloat16}
-    assert rotary.tables(torch.float32)[0] is rotary.tables(torch.float32)[0]
+    assert rotary.tables(torch.float32)[0] is rotary.cos
     with pytest.raises(ValueError, match="head_dim 16"):
         rotary(torch.randn(2, 7, 3, 8))
+
+
+def test_rotary_tables_take_the_autocast_dtype():
+    model = make_model(TinyLMConfig(vocab_size=VOCAB, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=8), 0,
+                       dtype=torch.float32)
+    pos = torch.arange(5)[None]
+    assert model.rotary(pos).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.rotary(pos).dtype == torch.bfloat16
 
 
 def test_rmsnorm_keeps_float64_precision():

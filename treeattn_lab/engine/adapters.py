@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from . import hf_attention
+from .attention import layer_attention_call
 
 LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 
@@ -106,7 +107,7 @@ _HEADS_CHECKED: weakref.WeakSet = weakref.WeakSet()
 
 
 def _call_with_layer(attention: LayerAttention, layer: int, q, k, v):
-    return attention(layer, q, k, v, None)
+    return layer_attention_call(attention, layer, q, k, v, None)
 
 
 class HFCausalLMAdapter(ModelAdapter):

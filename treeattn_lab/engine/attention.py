@@ -10,12 +10,25 @@ All take ``q [B, N, Hq, D]``, ``k, v [B, S, Hkv, D]`` (grouped-query heads allow
 - :func:`prefix_tree` (DFS, a packed span): N new tokens after S - N stored prefix tokens, under an
   explicit ``[N, S]`` mask, boolean or additive (every prefix key, and the tree rule inside the span).
 - :func:`packed_tree` (packed): one batch row holding a whole :class:`TreePack`; tree attention.
+
+A model's layer reaches whichever of them the engine chose through :func:`layer_attention_call`, which
+``torch.compile`` does not trace: the engine's attention keeps Python state per call (the DFS path, the
+prefix leaves, per-layer indices), so a model whose layers a user compiled runs each layer as compiled
+graphs before and after one eager attention call, the same graphs for every layer and call, instead of
+recompiling for each layer index and each DFS block.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+
+@torch.compiler.disable
+def layer_attention_call(attention, layer: int, q, k, v, scale):
+    """``attention(layer, q, k, v, scale)``, eager even inside a compiled layer (module docstring)."""
+    return attention(layer, q, k, v, scale)
 
 
 def _repeat_heads(x, group: int):
@@ -62,4 +75,4 @@ def packed_tree(pack, backend: str = "auto"):
     return attend
 
 
-__all__ = ["causal", "packed_tree", "prefix_tree", "suffix_causal"]
+__all__ = ["causal", "layer_attention_call", "packed_tree", "prefix_tree", "suffix_causal"]

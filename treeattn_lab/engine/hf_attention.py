@@ -28,6 +28,8 @@ import functools
 
 import torch
 
+from .attention import layer_attention_call
+
 HF_ATTENTION_NAME = "treeattn_lab"
 # The running call's attention and its longest rollout. A plain module-level slot, not a ContextVar: on
 # CUDA, checkpointed layers are recomputed on autograd's worker threads, which must see it too. So one
@@ -82,7 +84,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise ValueError("attention dropout is not supported by treeattn_lab's attention; set it to 0")
     _refuse_unhandled(kwargs, _ACTIVE["longest"])
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    return attention(module.layer_idx, q, k, v, scaling), None
+    return layer_attention_call(attention, module.layer_idx, q, k, v, scaling), None
 
 
 def register() -> None:

@@ -65,29 +65,30 @@ class RMSNorm(nn.Module):
 
 
 class Rotary:
-    """Rotary embedding (rotate-half form) at ``position_ids [..., N]``: the angles are computed once,
-    in float64, when the object is made, and every layer rotates its queries and keys with them.
+    """Rotary embedding (rotate-half form) at ``position_ids [..., N]``, computed once per forward and
+    applied by every layer to its queries and keys: ``rotary(x)`` rotates ``x [..., N, H, D]``.
 
-    ``rotary(x)`` rotates ``x [..., N, H, D]``; the cos/sin tables are cast to ``x``'s dtype once per
-    dtype (under autocast, q and k may come out of their projections in a lower precision than the
-    residual stream).
+    The angles are computed in float64 and their cos/sin tables cast to ``dtype`` (the dtype the layers'
+    q and k come in) when the object is made, so a layer only multiplies; an ``x`` of another dtype gets
+    the float64 tables cast to its own dtype (nothing is cached on the object while layers run, which
+    keeps a compiled layer's graph independent of which layer ran first).
     """
 
-    def __init__(self, position_ids: torch.Tensor, head_dim: int, theta: float):
+    def __init__(self, position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
         inv_freq = 1.0 / theta ** (
             torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim
         )
         angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [..., N, D/2]
         angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., N, 1, D]
-        self.head_dim = head_dim
-        self._angles = angles
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.head_dim, self.dtype = head_dim, dtype
+        self.cos64, self.sin64 = angles.cos(), angles.sin()
+        self.cos, self.sin = self.cos64.to(dtype), self.sin64.to(dtype)
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[..., N, 1, D]`` in ``dtype``."""
-        if dtype not in self._tables:
-            self._tables[dtype] = (self._angles.cos().to(dtype), self._angles.sin().to(dtype))
-        return self._tables[dtype]
+        if dtype == self.dtype:
+            return self.cos, self.sin
+        return self.cos64.to(dtype), self.sin64.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
@@ -100,7 +101,7 @@ class Rotary:
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form) of ``x [..., N, H, D]`` at ``position_ids [..., N]``."""
-    return Rotary(position_ids, x.shape[-1], theta)(x)
+    return Rotary(position_ids, x.shape[-1], theta, x.dtype)(x)
 
 
 class SelfAttention(nn.Module):
@@ -180,8 +181,14 @@ class TinyLM(nn.Module):
         return self.head(self.hidden(input_ids, position_ids, per_layer))
 
     def rotary(self, position_ids: torch.Tensor) -> Rotary:
-        """The rotary embedding every layer applies at ``position_ids``."""
-        return Rotary(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        """The rotary embedding every layer applies at ``position_ids``, its tables in the dtype the
+        layers' projections produce: autocast's where autocast is on, else the weights'."""
+        device = position_ids.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+        else:
+            dtype = self.embed.weight.dtype
+        return Rotary(position_ids, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
     def hidden(self, input_ids, position_ids, per_layer: Sequence[Attention]) -> torch.Tensor:
         """The final norm's output for ``input_ids`` with attention ``per_layer[i]`` in layer ``i``
