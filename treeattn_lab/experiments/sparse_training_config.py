@@ -99,7 +99,7 @@ class ExperimentConfig:
 # columns and only 16 estimated diagonals beyond the band, since a far diagonal costs a block diagonal of
 # tiles while a column costs one gathered bar.
 _FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 4, 688, rope_theta=500000.0),
-                         pretrain=(Stage(512, 1000, 64), Stage(2048, 600, 16), Stage(8192, 1000, 8)),
+                         pretrain=(Stage(512, 1500, 64), Stage(2048, 600, 16), Stage(8192, 1000, 8)),
                          seq_len=32768, steps=400, batch_size=1, n_vertical=512, n_slash=784, sinks=64,
                          local=768, block_size=128, digits=5, probes_per_depth=8, eval_windows=4,
                          timing_reps=10, bf16=True)
