@@ -1,4 +1,4 @@
-"""The engine under a model whose layers the user compiled (``block.compile(dynamic=True)``).
+"""The engine under a model whose layers are compiled (``engine.compile_layers``).
 
 The engine's per-layer attention is opaque to torch.compile (``engine.attention.layer_attention_call``),
 so each compiled layer is two graphs around one eager attention call, shared by every layer and every
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.engine_models import VOCAB, assert_grads_close, flat_gradients, random_weights
+from tests.engine_models import HF_RTOL, VOCAB, assert_grads_close, flat_gradients, hf_llama, random_weights
 from treeattn_lab import RolloutTrie
-from treeattn_lab.engine import tree_backward, tree_logprobs
+from treeattn_lab.engine import compile_layers, tree_backward, tree_logprobs
 from treeattn_lab.engine.dfs import PUSH_BLOCKS, walk
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
@@ -40,11 +40,10 @@ def _rollouts(seed: int) -> list[list[int]]:
     return seqs
 
 
-def _compile_blocks(model: TinyLM) -> None:
+def _compile_blocks(model) -> None:
     torch._dynamo.reset()
     counters.clear()
-    for block in model.blocks:
-        block.compile(dynamic=True, backend="aot_eager")
+    assert compile_layers(model, backend="aot_eager") is model
 
 
 def _graphs() -> int:
@@ -96,3 +95,19 @@ def test_compiled_layers_give_the_same_logprobs_depth_first():
     assert _graphs() > 0
     for a, b in zip(compiled, eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_hugging_face_layers_train_exactly():
+    seqs = _rollouts(21)
+    weights = random_weights(seqs, 21)
+    model = hf_llama(seed=21)
+    expected, _ = flat_gradients(model, seqs, weights)
+    _compile_blocks(model)
+    tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode="dfs", block_tokens=8)
+    assert_grads_close(model, expected, HF_RTOL)
+    assert _graphs() > 0
+
+
+def test_compile_layers_refuses_what_the_engine_cannot_run():
+    with pytest.raises(TypeError, match="TinyLM or a Hugging Face causal LM"):
+        compile_layers(torch.nn.Linear(2, 2))

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..datasets import load_rollouts
-from ..engine import MODES, calibrate, tree_backward
+from ..engine import MODES, calibrate, compile_layers, tree_backward
 from ..reference import TinyLM, TinyLMConfig
 from ..trie import RolloutTrie
 from .harness import (
@@ -272,6 +272,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="comma list of sets whose packed and dfs steps also run under torch.profiler",
     )
+    parser.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="torch.compile every TinyLM layer first (engine.compile_layers); writes train-compiled-layers",
+    )
     add_out_argument(parser)
     return parser.parse_args(argv)
 
@@ -372,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     quick, device, dtype, cfg, engine = run_setup(args)
     torch.manual_seed(0)
     model = TinyLM(cfg).to(device, dtype)
+    if args.compile_layers:
+        compile_layers(model)  # before calibration: the cost model then learns the compiled layers' costs
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     cost_model = calibrate(model, **engine, seconds=args.calibration_s, use_cache=False)
@@ -413,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"dtype": str(dtype), "params": n_params, "config": cfg.__dict__, **engine}
     extra.update(cost_model=cost_model.to_dict(), precision=precision, targets=checks, quick=quick)
     extra.update(profile=profiles, memory_limit_gib=None if limit is None else args.memory_limit_gib)
-    path = write_results("train", rows, env, directory=args.out, extra=extra)
+    extra.update(compile_layers=args.compile_layers)
+    name = "train-compiled-layers" if args.compile_layers else "train"
+    path = write_results(name, rows, env, directory=args.out, extra=extra)
     print(f"wrote {path}")
     return 0

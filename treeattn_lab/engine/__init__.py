@@ -4,6 +4,7 @@
   gradient of any objective of the rollouts' log-probs exactly as flat training would.
 - :func:`tree_logprobs` (``logprobs.py``): per-token log-probs (and entropies) without autograd.
 - :func:`hf_tree_attention` (``hf_attention.py``): a Hugging Face model over a pack with tree attention.
+- :func:`compile_layers` (``adapters.py``): ``torch.compile`` every decoder layer of a model for the engine.
 - ``adapters.py``: the model door (TinyLM, Hugging Face causal LMs); ``attention.py``: the attentions it
   hands the model; ``loss_plan.py``: the loss written once per tree token; ``lm_head.py``: the head by
   chunks of rows; ``call_plan.py``: argument checks, micro-batches and modes of a call;
@@ -14,7 +15,7 @@
   ``calibration.py``: the measurements it is fitted on; ``nnls.py``: the non-negative least squares solver.
 """
 
-from .adapters import adapt
+from .adapters import adapt, compile_layers
 from .calibration import calibrate
 from .cost_model import CostModel, MicroBatchShape
 from .hf_attention import hf_tree_attention
@@ -32,6 +33,7 @@ __all__ = [
     "TreeBackwardResult",
     "adapt",
     "calibrate",
+    "compile_layers",
     "plan_micro_batches",
     "hf_tree_attention",
     "tree_backward",

@@ -192,3 +192,33 @@ def adapt(model) -> ModelAdapter:
         f"model must be a treeattn_lab TinyLM or a Hugging Face causal LM (e.g. LlamaForCausalLM), "
         f"got {type(model).__name__}"
     )
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The decoder layers of a TinyLM (``blocks``) or of a Hugging Face causal LM (its base model's
+    ``layers``, as Llama, Qwen2 and Mistral have); else a TypeError."""
+    model = model.model if isinstance(model, ModelAdapter) else model
+    adapt(model)  # the same models the engine runs, with its checks
+    from ..reference.tiny_lm import TinyLM
+
+    layers = model.blocks if isinstance(model, TinyLM) else getattr(model.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no decoder layer list (base_model.layers) to compile")
+    return layers
+
+
+def compile_layers(model, **compile_kwargs):
+    """Compile every decoder layer of ``model`` in place (``layer.compile(dynamic=True, ...)``) and return
+    ``model``: the way to run the engine with ``torch.compile``.
+
+    The engine hands each layer its attention through an eager call (``attention.layer_attention_call``),
+    so every layer's code compiles to the same graphs (before and after its
+    attention), shared by all layers and by every DFS block and micro-batch size; what adds graphs is grad
+    mode (a DFS push runs without autograd) and torch's specialization of 1-token sizes. The fusion cuts
+    the kernels, and the host's work per kernel, that a layer of many small calls costs. ``compile_kwargs``
+    go to ``torch.compile`` (``dynamic`` defaults to True; e.g. ``backend="aot_eager"``, ``mode=...``).
+    """
+    compile_kwargs = {"dynamic": True, **compile_kwargs}
+    for layer in decoder_layers(model):
+        layer.compile(**compile_kwargs)
+    return model
