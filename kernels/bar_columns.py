@@ -34,25 +34,33 @@ class BarPlan:
     ``clean [H, nQ]``: per query block, how many leading bars every query of the block sees and no
     selected tile covers (their chunks run unmasked). Per chunk of ``bar_kv`` bars, ``first [H, nc]``:
     the first query block that sees the chunk; ``clean_from [H, nc]``: from which query block on the
-    chunk is clean for every later block. ``pairs`` / ``longest``: (query block, chunk) pairs in all /
-    in the longest chunk, which size the dK/dV launch.
+    chunk is clean for every later block; ``seen [H, nc]``: how many query blocks see it. ``pairs`` /
+    ``longest``: (query block, chunk) pairs in all / in the longest chunk, which size the dK/dV launch
+    (read back to the host only when asked for).
     """
 
     clean: torch.Tensor
     first: torch.Tensor
     clean_from: torch.Tensor
-    pairs: int
-    longest: int
+    seen: torch.Tensor
+
+    @property
+    def pairs(self) -> int:
+        return int(self.seen.sum())
+
+    @property
+    def longest(self) -> int:
+        return int(self.seen.max())
 
 
-def _bar_conflicts(index, h: int) -> torch.Tensor:
-    """``[nQ, nb]`` bool: bar ``b`` of head ``h`` needs a mask in query block ``i`` (after its first
+def _bar_conflicts(index) -> torch.Tensor:
+    """``[H, nQ, nb]`` bool: bar ``b`` of head ``h`` needs a mask in query block ``i`` (after its first
     query, inside a tile the row selected, or padding)."""
-    pos = index.bar_pos[h].long()
+    pos = index.bar_pos.long()  # [H, nb]
     q_first = index.q_blocks.long() * index.block_size
     kblock = torch.where(pos == BAR_PAD, 0, pos // index.block_size)
-    in_tile = index.bar_skip[h].index_select(1, kblock).bool()  # [nQ, nb]
-    return in_tile | (pos[None, :] > q_first[:, None])  # padding (BAR_PAD) is after every query
+    in_tile = index.bar_skip.gather(2, kblock[:, None, :].expand(-1, q_first.numel(), -1)).bool()
+    return in_tile | (pos[:, None, :] > q_first[None, :, None])  # padding (BAR_PAD) is after every query
 
 
 def bar_plan(index, bar_kv: int) -> BarPlan:
@@ -69,23 +77,18 @@ def _build_bar_plan(index, bar_kv: int) -> BarPlan:
     if nqb:
         q_last[-1] -= nqb * bs - index.num_q  # the ragged last block
     blocks = torch.arange(nqb, device=q_last.device)
-    clean, clean_from = [], []
-    for h in range(heads):
-        conflicts = _bar_conflicts(index, h)
-        none = ~conflicts.any(1)
-        clean.append(torch.where(none, nb, conflicts.to(torch.uint8).argmax(1)))
-        real = index.bar_pos[h] != BAR_PAD  # padding rows are zeroed at the end, no mask needed
-        per_chunk = torch.nn.functional.pad(conflicts & real, (0, nchunk * bar_kv - nb))
-        per_chunk = per_chunk.view(nqb, nchunk, bar_kv).any(2)  # [nQ, nc]
-        clean_from.append(torch.where(per_chunk, blocks[:, None], -1).amax(0) + 1)
+    conflicts = _bar_conflicts(index)  # [H, nQ, nb]
+    none = ~conflicts.any(2)
+    clean = torch.where(none, nb, conflicts.to(torch.uint8).argmax(2))
+    real = index.bar_pos != BAR_PAD  # padding rows are zeroed at the end, no mask needed
+    per_chunk = torch.nn.functional.pad(conflicts & real[:, None, :], (0, nchunk * bar_kv - nb))
+    per_chunk = per_chunk.view(heads, nqb, nchunk, bar_kv).any(3)  # [H, nQ, nc]
+    clean_from = torch.where(per_chunk, blocks[None, :, None], -1).amax(1) + 1
     chunk_min = index.bar_pos[:, ::bar_kv].long()  # [H, nc]: the smallest position of each chunk
     first = torch.searchsorted(q_last, chunk_min.contiguous())
-    clean_from = torch.maximum(torch.stack(clean_from), first)
-    seen = nqb - first
-    return BarPlan(clean=torch.stack(clean).to(torch.int32).contiguous(),
-                   first=first.to(torch.int32).contiguous(),
-                   clean_from=clean_from.to(torch.int32).contiguous(), pairs=int(seen.sum()),
-                   longest=int(seen.max()))
+    clean_from = torch.maximum(clean_from, first)
+    return BarPlan(clean=clean.to(torch.int32).contiguous(), first=first.to(torch.int32).contiguous(),
+                   clean_from=clean_from.to(torch.int32).contiguous(), seen=nqb - first)
 
 
 def gather_index(index, group: int):

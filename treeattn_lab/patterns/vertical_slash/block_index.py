@@ -26,9 +26,11 @@ class BlockSparseIndex:
     attention). Per head ``h``:
 
     - ``row_ptr [H * nQ + 1]`` / ``row_idx``: CSR rows of local key blocks per (head, query block),
-      ascending, so a row's diagonal tile (if listed) is its last entry;
+      ascending, so a row's diagonal tile (if listed) is its last entry. ``row_idx`` has a fixed
+      capacity (a bound on the tiles, known without reading the tile map back) and may run past
+      ``row_ptr[-1]``: entries from there on are slack (zeros) that no row reads;
     - ``col_ptr [H * nK + 1]`` / ``col_idx``: the transpose (query blocks per key block, diagonal first),
-      walked by the backward pass for dK and dV;
+      walked by the backward pass for dK and dV, with slack like ``row_idx``;
     - ``bar_pos [H, nb]``: the head's vertical columns (global positions, ascending, padded with
       ``2**31 - 1``), ``bar_count [H, nQ]``: how many of them query block ``i`` can see (``pos <= `` its
       last query), ``bar_skip [H, nQ, nBg]`` uint8: tiles already selected (global key blocks), whose
@@ -51,8 +53,8 @@ class BlockSparseIndex:
 
     @property
     def num_tiles(self) -> int:
-        """Selected tiles (over all heads)."""
-        return int(self.row_idx.numel())
+        """Selected tiles (over all heads; reads ``row_ptr[-1]`` back to the host)."""
+        return int(self.row_ptr[-1])
 
     @property
     def num_bar_columns(self) -> int:
@@ -65,7 +67,7 @@ class BlockSparseIndex:
         out = torch.zeros(self.num_heads * nq, nk, dtype=torch.bool, device=self.row_idx.device)
         counts = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
         rows = torch.repeat_interleave(torch.arange(self.num_heads * nq, device=out.device), counts)
-        out[rows, self.row_idx.long()] = True
+        out[rows, self.row_idx[: rows.numel()].long()] = True
         return out.view(self.num_heads, nq, nk)
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +100,41 @@ class BlockSparseIndex:
         return valid[:, None, :] & ~skip & (pos[:, None, :] <= qpos[None, :, None])
 
 
-def _csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR of a 2-D bool mask: ``ptr [rows + 1]``, ``idx`` (column ids ascending per row), int32."""
-    counts = mask.sum(1)
-    ptr = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
-    ptr[1:] = torch.cumsum(counts, 0)
-    idx = mask.nonzero(as_tuple=True)[1]
-    return ptr.to(torch.int32), idx.to(torch.int32)
+def _csr(mask: torch.Tensor, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR of a 2-D bool mask with at most ``per_row`` entries per row: ``ptr [rows + 1]`` and ``idx
+    [rows * per_row]`` (column ids ascending per row from ``ptr[r]``, zeros after ``ptr[-1]``), int32.
+
+    Each entry goes to ``ptr[r] +`` (its rank in the row), so no step reads the mask back to the host.
+    """
+    rows, cols = mask.shape
+    dev = mask.device
+    rank = torch.cumsum(mask, 1, dtype=torch.int64)  # entries up to and including each column
+    ptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
+    ptr[1:] = torch.cumsum(rank[:, -1], 0) if cols else 0
+    capacity = rows * per_row
+    flat = torch.arange(rows * cols, device=dev).view(rows, cols)
+    # unselected entries write to spare slots after the capacity, one each (no two writes collide)
+    slot = torch.where(mask, ptr[:-1, None] + rank - 1, capacity + flat)
+    idx = torch.zeros(capacity + rows * cols, dtype=torch.int32, device=dev)
+    idx.scatter_(0, slot.flatten(), (flat % max(cols, 1)).to(torch.int32).flatten())
+    return ptr.to(torch.int32), idx[:capacity]
+
+
+def _local_blocks(name: str, blocks, nbg: int, num_tokens: int, bs: int, dev) -> tuple[torch.Tensor, int]:
+    """``(block ids, local tokens)`` of ``blocks`` (None: all ``nbg`` blocks, known without a check).
+
+    Local tokens are whole blocks, except that the global last one may be partial.
+    """
+    if blocks is None:
+        return torch.arange(nbg, device=dev), num_tokens
+    b = torch.as_tensor(blocks, device=dev).long()
+    if b.dim() != 1 or (b.numel() and (int(b.min()) < 0 or int(b.max()) >= nbg)):
+        raise ValueError(f"{name} must be a 1-D tensor of block ids in [0, {nbg})")
+    if b.numel() > 1 and not bool((b[1:] > b[:-1]).all()):
+        raise ValueError(f"{name} must be strictly ascending")
+    if b.numel() == 0:
+        return b, 0
+    return b, b.numel() * bs - (bs * nbg - num_tokens if int(b[-1]) == nbg - 1 else 0)
 
 
 def build_block_index(pattern, num_tokens: int, *, q_blocks=None, k_blocks=None,
@@ -114,27 +144,18 @@ def build_block_index(pattern, num_tokens: int, *, q_blocks=None, k_blocks=None,
     dev = pattern.device
     tiles = pattern.block_map(num_tokens) if block_map is None else block_map.to(dev)
     nbg = tiles.shape[1]
-    all_blocks = torch.arange(nbg, device=dev)
-    qb = all_blocks if q_blocks is None else torch.as_tensor(q_blocks, device=dev).long()
-    kb = all_blocks if k_blocks is None else torch.as_tensor(k_blocks, device=dev).long()
-    for name, b in (("q_blocks", qb), ("k_blocks", kb)):
-        if b.dim() != 1 or (b.numel() and (int(b.min()) < 0 or int(b.max()) >= nbg)):
-            raise ValueError(f"{name} must be a 1-D tensor of block ids in [0, {nbg})")
-        if b.numel() > 1 and not bool((b[1:] > b[:-1]).all()):
-            raise ValueError(f"{name} must be strictly ascending")
-
-    def tokens(b):  # local tokens: whole blocks, except the global last one may be partial
-        if b.numel() == 0:
-            return 0
-        return b.numel() * bs - (bs * nbg - num_tokens if int(b[-1]) == nbg - 1 else 0)
-
+    qb, num_q = _local_blocks("q_blocks", q_blocks, nbg, num_tokens, bs, dev)
+    kb, num_k = _local_blocks("k_blocks", k_blocks, nbg, num_tokens, bs, dev)
     H = pattern.num_heads
     rows = tiles[:, qb]  # [H, nQ, nBg]
     local = rows[:, :, kb]  # [H, nQ, nK]
-    row_ptr, row_idx = _csr(local.reshape(H * qb.numel(), kb.numel()))
-    col_ptr, col_idx = _csr(local.transpose(1, 2).reshape(H * kb.numel(), qb.numel()))
+    nq, nk = qb.numel(), kb.numel()
+    # a slash selects at most two block diagonals: at most two tiles per row and per column of the map
+    per_line = 2 * pattern.slash.shape[1] if block_map is None else max(nq, nk)
+    row_ptr, row_idx = _csr(local.reshape(H * nq, nk), min(per_line, nk))
+    col_ptr, col_idx = _csr(local.transpose(1, 2).reshape(H * nk, nq), min(per_line, nq))
     index = BlockSparseIndex(
-        block_size=bs, num_q=tokens(qb), num_k=tokens(kb), q_blocks=qb.to(torch.int32).contiguous(),
+        block_size=bs, num_q=num_q, num_k=num_k, q_blocks=qb.to(torch.int32).contiguous(),
         k_blocks=kb.to(torch.int32).contiguous(), row_ptr=row_ptr, row_idx=row_idx, col_ptr=col_ptr,
         col_idx=col_idx, num_heads=H,
     )

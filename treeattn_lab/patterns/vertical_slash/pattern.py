@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...checks import check_int
 from .block_index import BlockSparseIndex, build_block_index
 from .lines import PAD, normalized_lines
 
@@ -45,14 +46,32 @@ class VerticalSlashPattern:
     def __post_init__(self):
         vertical = normalized_lines(self.vertical, "vertical")
         slash = normalized_lines(self.slash, "slash")
-        if vertical.shape[0] != slash.shape[0]:
-            raise ValueError(f"vertical has {vertical.shape[0]} heads but slash has {slash.shape[0]}")
-        if vertical.device != slash.device:
-            raise ValueError(f"vertical is on {vertical.device} but slash on {slash.device}")
-        bs = self.block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a power of two >= 16, got {bs!r}")
+        _check_shapes(vertical, slash, self.block_size)
         self.vertical, self.slash = vertical, slash
+        self._entries_below = None  # an exclusive bound on every entry known without reading the device
+
+    @classmethod
+    def from_top_k(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int, *,
+                   num_tokens: int) -> VerticalSlashPattern:
+        """The pattern of an estimator's own top-k indices, built on the device without a host read.
+
+        ``vertical [H, nv]`` and ``slash [H, ns]`` must be integer ``topk`` indices over ``num_tokens``
+        scores per row: distinct, in ``[0, num_tokens)``, no padding. Rows are sorted on the device; the
+        result equals the validated constructor's, which this path skips (its checks read the entries back
+        to the host) and which user input must go through.
+        """
+        for name, x in (("vertical", vertical), ("slash", slash)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype.is_floating_point:
+                raise TypeError(f"{name} must be a 2-D integer tensor of top-k indices")
+        _check_shapes(vertical, slash, block_size)
+        check_int("num_tokens", num_tokens)
+        pattern = cls.__new__(cls)
+        pattern.vertical = vertical.to(torch.int64).sort(dim=1).values.contiguous()
+        pattern.slash = slash.to(torch.int64).sort(dim=1).values.contiguous()
+        pattern.block_size = block_size
+        pattern._cache = {}
+        pattern._entries_below = num_tokens
+        return pattern
 
     # ------------------------------------------------------------------------------------ basics
     @property
@@ -67,6 +86,9 @@ class VerticalSlashPattern:
         """The same pattern on ``device`` (itself when already there)."""
         if torch.device(device) == self.device:
             return self
+        if self._entries_below is not None:  # rows already normalized: copy without a host read
+            return VerticalSlashPattern.from_top_k(self.vertical.to(device), self.slash.to(device),
+                                                   self.block_size, num_tokens=self._entries_below)
         return VerticalSlashPattern(self.vertical.to(device), self.slash.to(device), self.block_size)
 
     def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +102,8 @@ class VerticalSlashPattern:
         """Raise ValueError unless every column and offset lies in ``[0, num_tokens)``."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        if self._entries_below is not None and self._entries_below <= num_tokens:
+            return
         for name, x in (("vertical", self.vertical), ("slash", self.slash)):
             if x.numel() and int(x.max()) >= num_tokens:
                 raise ValueError(
@@ -139,8 +163,12 @@ class VerticalSlashPattern:
 
     def num_pairs(self, num_tokens: int) -> int:
         """Pairs the kernel computes (block rounding included), counted without an ``N x N`` mask."""
+        return int(self.pair_total(num_tokens))
+
+    def pair_total(self, num_tokens: int) -> torch.Tensor:
+        """:meth:`num_pairs` as a 0-d int64 tensor on the pattern's device (no host read)."""
         blocks, bars = pair_counts(self, num_tokens)
-        return int(blocks.sum() + bars.sum())
+        return blocks.sum() + bars.sum()
 
     def density(self, num_tokens: int) -> float:
         """Computed pairs over the ``N (N + 1) / 2`` pairs of dense causal attention, over all heads."""
@@ -178,6 +206,17 @@ class VerticalSlashPattern:
         return vertical_slash_mask
 
 
+def _check_shapes(vertical: torch.Tensor, slash: torch.Tensor, block_size) -> None:
+    """Heads and devices of the two line lists agree; ``block_size`` is a power of two >= 16."""
+    if vertical.shape[0] != slash.shape[0]:
+        raise ValueError(f"vertical has {vertical.shape[0]} heads but slash has {slash.shape[0]}")
+    if vertical.device != slash.device:
+        raise ValueError(f"vertical is on {vertical.device} but slash on {slash.device}")
+    bs = block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {bs!r}")
+
+
 def _slash_block_map(slash: torch.Tensor, num_tokens: int, bs: int) -> torch.Tensor:
     """``[H, nB, nB]`` tiles crossed by the slashes (see :meth:`VerticalSlashPattern.block_map`).
 
@@ -195,12 +234,12 @@ def _slash_block_map(slash: torch.Tensor, num_tokens: int, bs: int) -> torch.Ten
     rows = torch.arange(H, device=dev)[:, None].expand_as(slash)
     diag = torch.zeros(H, nb + 2, dtype=torch.bool, device=dev)  # block diagonal d = i - j selected
     diag_last = torch.zeros(H, nb + 2, dtype=torch.bool, device=dev)  # the same, for the last block
-    diag[rows[valid], a[valid]] = True
-    keep_last = valid & (b < last_rows)
-    diag_last[rows[keep_last], a[keep_last]] = True
-    lower = valid & (b > 0)
-    diag[rows[lower], a[lower] + 1] = True
-    diag_last[rows[lower], a[lower] + 1] = True
+    spare = nb + 1  # a column no gather below reads (diagonals run 0..nb): where dropped lines write
+    diag[rows, torch.where(valid, a, spare)] = True
+    diag_last[rows, torch.where(valid & (b < last_rows), a, spare)] = True
+    lower = torch.where(valid & (b > 0), a + 1, spare)
+    diag[rows, lower] = True
+    diag_last[rows, lower] = True
     i = torch.arange(nb, device=dev)
     d = i[:, None] - i[None, :]  # [nB, nB]
     causal = d >= 0
