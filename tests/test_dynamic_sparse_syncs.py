@@ -17,7 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from treeattn_lab.ops.dynamic_sparse import DynamicSparseAttention, PairStats, SparseBudget
+from treeattn_lab.ops.dynamic_sparse import (
+    DynamicSparseAttention,
+    PairStats,
+    SparseBudget,
+    fixed_pattern_attention,
+)
 from treeattn_lab.ops.sparse import sparse_attention
 from treeattn_lab.patterns.vertical_slash import VerticalSlashPattern, estimate
 from treeattn_lab.patterns.vertical_slash.block_index import _csr
@@ -117,6 +122,27 @@ def test_the_batch_runs_as_one_call_not_a_loop_over_sequences():
             attention(*qkv(2, batch, 70, 4, 2, 16))
         counts.append(c.ops)
     assert counts[0] == counts[1], f"aten ops per layer call grow with the batch: {counts}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_fixed_pattern_reads_its_entries_once(backend):
+    """A user's pattern is checked once (entries read back); later calls under it read nothing."""
+    vertical, slash = torch.tensor([[0, 5, -1], [3, 9, 40]]), torch.tensor([[0, 1], [0, -1]])
+    pattern = VerticalSlashPattern(vertical, slash, 16)
+    attention = fixed_pattern_attention(pattern, backend=backend)
+    q, k, v = qkv(3, 2, 50, 2, 1, 16)
+    with SyncCounter() as first:
+        attention(q, k, v)
+    with SyncCounter() as later:
+        out = attention(q, k, v)
+    assert first.total > 0 and later.total == 0, (first.syncs, later.syncs)
+    fresh = VerticalSlashPattern(vertical, slash, 16)  # checked afresh, the reference's own copy
+    want = torch.stack([sparse_attention(q[b], k[b], v[b], fresh, backend="reference") for b in range(2)])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="slash entry 40|vertical entry 40"):
+        pattern.check_tokens(40)  # the bound kept still refuses a shorter sequence
+    copy = pattern.to("meta")
+    assert copy is not pattern and copy.device.type == "meta" and copy.block_size == 16
 
 
 @settings(max_examples=12, deadline=None)

@@ -48,7 +48,7 @@ class VerticalSlashPattern:
         slash = normalized_lines(self.slash, "slash")
         _check_shapes(vertical, slash, self.block_size)
         self.vertical, self.slash = vertical, slash
-        self._entries_below = None  # an exclusive bound on every entry known without reading the device
+        self._entries_below = None  # an exclusive bound on every entry, once known on the host
 
     @classmethod
     def from_top_k(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int, *,
@@ -65,12 +65,16 @@ class VerticalSlashPattern:
                 raise TypeError(f"{name} must be a 2-D integer tensor of top-k indices")
         _check_shapes(vertical, slash, block_size)
         check_int("num_tokens", num_tokens)
+        return cls._normalized(vertical.to(torch.int64).sort(dim=1).values.contiguous(),
+                               slash.to(torch.int64).sort(dim=1).values.contiguous(), block_size, num_tokens)
+
+    @classmethod
+    def _normalized(cls, vertical, slash, block_size: int, entries_below: int) -> VerticalSlashPattern:
+        """A pattern of line lists already in normal form, every entry below ``entries_below``."""
         pattern = cls.__new__(cls)
-        pattern.vertical = vertical.to(torch.int64).sort(dim=1).values.contiguous()
-        pattern.slash = slash.to(torch.int64).sort(dim=1).values.contiguous()
-        pattern.block_size = block_size
+        pattern.vertical, pattern.slash, pattern.block_size = vertical, slash, block_size
         pattern._cache = {}
-        pattern._entries_below = num_tokens
+        pattern._entries_below = entries_below
         return pattern
 
     # ------------------------------------------------------------------------------------ basics
@@ -86,9 +90,9 @@ class VerticalSlashPattern:
         """The same pattern on ``device`` (itself when already there)."""
         if torch.device(device) == self.device:
             return self
-        if self._entries_below is not None:  # rows already normalized: copy without a host read
-            return VerticalSlashPattern.from_top_k(self.vertical.to(device), self.slash.to(device),
-                                                   self.block_size, num_tokens=self._entries_below)
+        if self._entries_below is not None:  # entries known in range: copy without a host read
+            return VerticalSlashPattern._normalized(self.vertical.to(device), self.slash.to(device),
+                                                    self.block_size, self._entries_below)
         return VerticalSlashPattern(self.vertical.to(device), self.slash.to(device), self.block_size)
 
     def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,16 +103,21 @@ class VerticalSlashPattern:
         return -(-num_tokens // self.block_size)
 
     def check_tokens(self, num_tokens: int) -> None:
-        """Raise ValueError unless every column and offset lies in ``[0, num_tokens)``."""
+        """Raise ValueError unless every column and offset lies in ``[0, num_tokens)``.
+
+        The entries are read back to the host only while no bound known so far settles it; the exact
+        bound read then is kept (the lines never change), so later checks cost no host read.
+        """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
         if self._entries_below is not None and self._entries_below <= num_tokens:
             return
-        for name, x in (("vertical", self.vertical), ("slash", self.slash)):
-            if x.numel() and int(x.max()) >= num_tokens:
-                raise ValueError(
-                    f"pattern {name} entry {int(x.max())} is out of range for {num_tokens} tokens"
-                )
+        largest = {name: int(x.max()) for name, x in (("vertical", self.vertical), ("slash", self.slash))
+                   if x.numel()}
+        self._entries_below = 1 + max(largest.values(), default=-1)
+        for name, entry in largest.items():
+            if entry >= num_tokens:
+                raise ValueError(f"pattern {name} entry {entry} is out of range for {num_tokens} tokens")
 
     def __repr__(self) -> str:
         nv, ns = self.counts()
