@@ -99,11 +99,20 @@ def test_rope_is_relative():
 
 def test_rotary_tables_follow_the_input_dtype():
     """One Rotary serves every layer: tables made once in its dtype, and an input of another dtype
-    (bf16 under autocast, say) rotated with the float64 angles cast to its own; both equal rope()."""
+    (bf16 under autocast, say) rotated with the float64 angles cast to its own; both equal rope(), and
+    in float64 both equal the rotation written out pair by pair (dims i and i + D/2 turned by
+    pos * theta^(-2i/D))."""
     g = torch.Generator().manual_seed(1)
     pos = torch.randint(0, 5000, (2, 7), generator=g)
     rotary = Rotary(pos, 16, 500000.0, torch.float32)
     x = torch.randn(2, 7, 3, 16, generator=g)
+    x64 = x.double()
+    freq = 500000.0 ** (-torch.arange(8, dtype=torch.float64) * 2 / 16)
+    angle = (pos.double()[..., None] * freq)[..., None, :]  # [2, 7, 1, 8]
+    cos, sin = angle.cos(), angle.sin()
+    first, second = x64[..., :8], x64[..., 8:]
+    turned = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    torch.testing.assert_close(rotary(x64), turned, rtol=1e-12, atol=1e-12)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         out = rotary(x.to(dtype))
         assert out.dtype == dtype
