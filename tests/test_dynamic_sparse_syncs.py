@@ -244,3 +244,7 @@ def test_trusted_constructor_refuses_what_is_not_top_k_indices():
         VerticalSlashPattern.from_top_k(lines, lines, 24, num_tokens=4)
     with pytest.raises(TypeError, match="num_tokens"):
         VerticalSlashPattern.from_top_k(lines, lines, 16, num_tokens=4.0)
+    with pytest.raises(TypeError, match="integer tensor"):
+        VerticalSlashPattern.from_top_k(lines.bool(), lines, 16, num_tokens=4)
+    with pytest.raises(ValueError, match="slash has 3 entries per head"):
+        VerticalSlashPattern.from_top_k(lines[:, :2], lines, 16, num_tokens=2)

@@ -58,13 +58,19 @@ class VerticalSlashPattern:
         ``vertical [H, nv]`` and ``slash [H, ns]`` must be integer ``topk`` indices over ``num_tokens``
         scores per row: distinct, in ``[0, num_tokens)``, no padding. Rows are sorted on the device; the
         result equals the validated constructor's, which this path skips (its checks read the entries back
-        to the host) and which user input must go through.
+        to the host) and which user input must go through. Only what the host knows is checked here (types,
+        shapes, a row no wider than ``num_tokens``); the entries' values are trusted.
         """
         for name, x in (("vertical", vertical), ("slash", slash)):
-            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype.is_floating_point:
+            if (not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype.is_floating_point
+                    or x.dtype == torch.bool or x.is_complex()):
                 raise TypeError(f"{name} must be a 2-D integer tensor of top-k indices")
         _check_shapes(vertical, slash, block_size)
         check_int("num_tokens", num_tokens)
+        for name, x in (("vertical", vertical), ("slash", slash)):
+            if x.shape[1] > num_tokens:
+                raise ValueError(f"{name} has {x.shape[1]} entries per head, more than the {num_tokens} "
+                                 "distinct indices of num_tokens scores")
         return cls._normalized(vertical.to(torch.int64).sort(dim=1).values.contiguous(),
                                slash.to(torch.int64).sort(dim=1).values.contiguous(), block_size, num_tokens)
 
