@@ -22,7 +22,10 @@ attention and the estimate are per head, so one estimate, one pattern, one kerne
 call serve every sequence. Nothing on that path reads the device back to the host: the pattern is built
 from the estimator's own top-k indices without the checks that guard user input
 (:meth:`~treeattn_lab.patterns.vertical_slash.VerticalSlashPattern.from_top_k`), the index has a fixed
-capacity, and the pair count stays on the device until :attr:`PairStats.fraction` is read.
+capacity, and the pair count stays on the device until :attr:`PairStats.fraction` is read. One
+exception: the Triton kernel's launch config for calls of more than ``kernels.tuning.SPARSE_SHORT_QUERIES``
+queries leaves ``split`` open, and a call then sizes it from the index's tile and bar counts, read back
+(``kernels.block_sparse_call.bar_split``): three host reads per such call.
 """
 
 from __future__ import annotations
