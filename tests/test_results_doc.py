@@ -113,3 +113,15 @@ def test_the_command_line_exit_status(results_copy, capsys):
     assert main(argv) == 0
     assert main([*argv, "--check"]) == 0
     capsys.readouterr()
+
+
+def test_a_sparse_training_run_names_its_pretraining_curriculum():
+    from treeattn_lab.bench.experiment_report import render_sparse_training
+
+    stages = [{"seq_len": 128, "steps": 800, "batch_size": 16},
+              {"seq_len": 256, "steps": 600, "batch_size": 8}]
+    config = {"seq_len": 512, "pretrain": stages, "model": {}}
+    lines = render_sparse_training({"config": config, "summary": []})
+    assert "Dense pretraining: 800 steps at 128 (batch 16), then 600 steps at 256 (batch 8)." in lines
+    assert not any(line.startswith("Dense pretraining") for line in render_sparse_training(
+        {"config": {"seq_len": 512}, "summary": []}))

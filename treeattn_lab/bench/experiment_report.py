@@ -52,9 +52,13 @@ def render_sparse_training(p: dict) -> list[str]:
     """Training with dynamic sparse attention: per variant the loss, passkey retrieval by depth, the
     computed-pair share and the times, averaged over seeds (the document adds the targets)."""
     config = {k: v for k, v in p.get("config", {}).items() if not isinstance(v, (dict, list))}
-    out = [f"Configuration: {mapping(config)}; model {mapping(p.get('config', {}).get('model', {}))}.", "",
-           "Per variant (mean over seeds; retrieval: exact match of the greedy passkey, and the share of "
-           "right digits, per depth of the needle):", ""]
+    stages = p.get("config", {}).get("pretrain") or []
+    curriculum = ", then ".join(f"{s['steps']} steps at {s['seq_len']} (batch {s['batch_size']})"
+                                for s in stages)
+    out = [f"Configuration: {mapping(config)}; model {mapping(p.get('config', {}).get('model', {}))}.", ""]
+    out += [f"Dense pretraining: {curriculum}.", ""] if curriculum else []
+    out += ["Per variant (mean over seeds; retrieval: exact match of the greedy passkey, and the share of "
+            "right digits, per depth of the needle):", ""]
     rows = [{**{k: v for k, v in r.items() if not isinstance(v, dict)},
              **{f"exact@{d}": v for d, v in r.get("retrieval", {}).items()},
              **{f"digits@{d}": v for d, v in r.get("retrieval_digits", {}).items()}} for r in p["summary"]]
