@@ -77,8 +77,8 @@ class PairStats:
 
     calls: int = 0
     causal_pairs: int = 0
-    _pending: torch.Tensor | None = field(default=None, repr=False)  # device total not yet read
-    _counted: int = field(default=0, repr=False)  # total already read
+    _pending: torch.Tensor | None = field(default=None, init=False, repr=False)  # device total not yet read
+    _counted: int = field(default=0, init=False, repr=False)  # total already read
 
     @property
     def computed_pairs(self) -> int:
