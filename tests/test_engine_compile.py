@@ -14,7 +14,15 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.engine_models import HF_RTOL, VOCAB, assert_grads_close, flat_gradients, hf_llama, random_weights
+from tests.engine_models import (
+    HF_RTOL,
+    VOCAB,
+    assert_grads_close,
+    flat_gradients,
+    hf_llama,
+    hf_model,
+    random_weights,
+)
 from treeattn_lab import RolloutTrie
 from treeattn_lab.engine import compile_layers, tree_backward, tree_logprobs
 from treeattn_lab.engine.dfs import PUSH_BLOCKS, walk
@@ -106,6 +114,19 @@ def test_compiled_hugging_face_layers_train_exactly():
     tree_backward(model, RolloutTrie.from_sequences(seqs), weights, mode="dfs", block_tokens=8)
     assert_grads_close(model, expected, HF_RTOL)
     assert _graphs() > 0
+
+
+def test_compiled_hugging_face_graphs_do_not_depend_on_the_layer():
+    """The registered HF attention is opaque too: no graph guards on ``module.layer_idx``, so a 3-layer
+    model compiles as many graphs as a 2-layer one."""
+    trie = RolloutTrie.from_sequences(_rollouts(23))
+    found = {}
+    for n_layers in (2, 3):
+        model = hf_model("Llama", seed=23, num_hidden_layers=n_layers)
+        _compile_blocks(model)
+        tree_backward(model, trie, mode="dfs", block_tokens=8)
+        found[n_layers] = _graphs()
+    assert found[2] == found[3] > 0
 
 
 def test_compile_layers_refuses_what_the_engine_cannot_run():

@@ -217,6 +217,12 @@ def compile_layers(model, **compile_kwargs):
     mode (a DFS push runs without autograd) and torch's specialization of 1-token sizes. The fusion cuts
     the kernels, and the host's work per kernel, that a layer of many small calls costs. ``compile_kwargs``
     go to ``torch.compile`` (``dynamic`` defaults to True; e.g. ``backend="aot_eager"``, ``mode=...``).
+
+    Hugging Face layers: transformers wraps a decoder layer's and its attention module's ``forward`` in
+    one kwarg-deprecation wrapper whose frame dynamo compiles once per guard variant of both, so one
+    model run in several engine modes can pass dynamo's ``recompile_limit`` (8); past it that frame runs
+    eagerly (still exact, slower) and torch warns. Raise ``torch._dynamo.config.recompile_limit`` (e.g. to
+    32) when one HF model mixes modes.
     """
     compile_kwargs = {"dynamic": True, **compile_kwargs}
     for layer in decoder_layers(model):

@@ -11,11 +11,12 @@ All take ``q [B, N, Hq, D]``, ``k, v [B, S, Hkv, D]`` (grouped-query heads allow
   explicit ``[N, S]`` mask, boolean or additive (every prefix key, and the tree rule inside the span).
 - :func:`packed_tree` (packed): one batch row holding a whole :class:`TreePack`; tree attention.
 
-A model's layer reaches whichever of them the engine chose through :func:`layer_attention_call`, which
-``torch.compile`` does not trace: the engine's attention keeps Python state per call (the DFS path, the
-prefix leaves, per-layer indices), so a model whose layers a user compiled runs each layer as compiled
-graphs before and after one eager attention call, the same graphs for every layer and call, instead of
-recompiling for each layer index and each DFS block.
+A model's layer reaches whichever of them the engine chose through a call ``torch.compile`` does not
+trace (:func:`layer_attention_call` for TinyLM, the registered attention function for a Hugging Face
+model): the engine's attention keeps Python state per call (the DFS path, the prefix leaves, per-layer
+indices), so a model whose layers were compiled runs each layer as compiled graphs before and after one
+eager attention call, the same graphs for every layer and call, instead of recompiling for each layer
+index and each DFS block.
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ import functools
 
 import torch
 
-from .attention import layer_attention_call
-
 HF_ATTENTION_NAME = "treeattn_lab"
 # The running call's attention and its longest rollout. A plain module-level slot, not a ContextVar: on
 # CUDA, checkpointed layers are recomputed on autograd's worker threads, which must see it too. So one
@@ -72,8 +70,11 @@ def _refuse_unhandled(kwargs: dict, longest: int | None) -> None:
         )
 
 
+@torch.compiler.disable
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The function registered with ``transformers`` (module docstring)."""
+    """The function registered with ``transformers`` (module docstring). Opaque to ``torch.compile``,
+    like :func:`~treeattn_lab.engine.attention.layer_attention_call`: a compiled layer calls it eagerly, so
+    its graphs do not depend on the layer's index or on the engine's per-call state."""
     attention = _ACTIVE["attention"]
     if attention is None:
         raise RuntimeError(
@@ -84,7 +85,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise ValueError("attention dropout is not supported by treeattn_lab's attention; set it to 0")
     _refuse_unhandled(kwargs, _ACTIVE["longest"])
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    return layer_attention_call(attention, module.layer_idx, q, k, v, scaling), None
+    return attention(module.layer_idx, q, k, v, scaling), None
 
 
 def register() -> None:
