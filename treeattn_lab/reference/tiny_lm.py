@@ -69,26 +69,30 @@ class Rotary:
     applied by every layer to its queries and keys: ``rotary(x)`` rotates ``x [..., N, H, D]``.
 
     The angles are computed in float64 and their cos/sin tables cast to ``dtype`` (the dtype the layers'
-    q and k come in) when the object is made, so a layer only multiplies; an ``x`` of another dtype gets
-    the float64 tables cast to its own dtype (nothing is cached on the object while layers run, which
-    keeps a compiled layer's graph independent of which layer ran first).
+    q and k come in) when the object is made, so a layer only multiplies. An ``x`` of another dtype gets
+    tables computed again in float64 and cast to its own dtype; only ``dtype``'s tables are kept, and
+    nothing is cached on the object while layers run, which keeps a compiled layer's graph independent of
+    which layer ran first.
     """
 
     def __init__(self, position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-        inv_freq = 1.0 / theta ** (
-            torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim
+        self.position_ids, self.head_dim, self.theta, self.dtype = position_ids, head_dim, theta, dtype
+        self.cos, self.sin = self._float64_tables(dtype)
+
+    def _float64_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        inv_freq = 1.0 / self.theta ** (
+            torch.arange(0, d, 2, device=self.position_ids.device, dtype=torch.float64) / d
         )
-        angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [..., N, D/2]
+        angles = self.position_ids.to(torch.float64)[..., None] * inv_freq  # [..., N, D/2]
         angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., N, 1, D]
-        self.head_dim, self.dtype = head_dim, dtype
-        self.cos64, self.sin64 = angles.cos(), angles.sin()
-        self.cos, self.sin = self.cos64.to(dtype), self.sin64.to(dtype)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[..., N, 1, D]`` in ``dtype``."""
         if dtype == self.dtype:
             return self.cos, self.sin
-        return self.cos64.to(dtype), self.sin64.to(dtype)
+        return self._float64_tables(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
