@@ -154,7 +154,7 @@ def test_the_trusted_constructor_equals_the_validated_one(seed, n, heads, nv, ns
     vertical = torch.stack([torch.randperm(n, generator=g)[: min(nv, n)] for _ in range(heads)])
     slash = torch.stack([torch.randperm(n, generator=g)[: min(ns, n)] for _ in range(heads)])
     before = (vertical.clone(), slash.clone())
-    trusted = VerticalSlashPattern.from_top_k(vertical, slash, bs, num_tokens=n)
+    trusted = VerticalSlashPattern._from_top_k(vertical, slash, bs, num_tokens=n)
     checked = VerticalSlashPattern(vertical, slash, bs)
     assert torch.equal(vertical, before[0]) and torch.equal(slash, before[1]), "inputs were mutated"
     assert torch.equal(trusted.vertical, checked.vertical) and torch.equal(trusted.slash, checked.slash)
@@ -235,16 +235,16 @@ def test_the_batched_call_equals_each_sequence_under_its_own_pattern(seed, n, ba
 def test_trusted_constructor_refuses_what_is_not_top_k_indices():
     lines = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(TypeError, match="integer tensor"):
-        VerticalSlashPattern.from_top_k(lines.float(), lines, 16, num_tokens=4)
+        VerticalSlashPattern._from_top_k(lines.float(), lines, 16, num_tokens=4)
     with pytest.raises(TypeError, match="integer tensor"):
-        VerticalSlashPattern.from_top_k(lines, lines[0], 16, num_tokens=4)
+        VerticalSlashPattern._from_top_k(lines, lines[0], 16, num_tokens=4)
     with pytest.raises(ValueError, match="heads"):
-        VerticalSlashPattern.from_top_k(lines, lines[:1], 16, num_tokens=4)
+        VerticalSlashPattern._from_top_k(lines, lines[:1], 16, num_tokens=4)
     with pytest.raises(ValueError, match="block_size"):
-        VerticalSlashPattern.from_top_k(lines, lines, 24, num_tokens=4)
+        VerticalSlashPattern._from_top_k(lines, lines, 24, num_tokens=4)
     with pytest.raises(TypeError, match="num_tokens"):
-        VerticalSlashPattern.from_top_k(lines, lines, 16, num_tokens=4.0)
+        VerticalSlashPattern._from_top_k(lines, lines, 16, num_tokens=4.0)
     with pytest.raises(TypeError, match="integer tensor"):
-        VerticalSlashPattern.from_top_k(lines.bool(), lines, 16, num_tokens=4)
+        VerticalSlashPattern._from_top_k(lines.bool(), lines, 16, num_tokens=4)
     with pytest.raises(ValueError, match="slash has 3 entries per head"):
-        VerticalSlashPattern.from_top_k(lines[:, :2], lines, 16, num_tokens=2)
+        VerticalSlashPattern._from_top_k(lines[:, :2], lines, 16, num_tokens=2)

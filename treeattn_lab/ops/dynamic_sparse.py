@@ -21,7 +21,7 @@ A batch ``[B, N, H, D]`` runs as one call with its sequences' heads side by side
 attention and the estimate are per head, so one estimate, one pattern, one kernel index and one kernel
 call serve every sequence. Nothing on that path reads the device back to the host: the pattern is built
 from the estimator's own top-k indices without the checks that guard user input
-(:meth:`~treeattn_lab.patterns.vertical_slash.VerticalSlashPattern.from_top_k`), the index has a fixed
+(:meth:`~treeattn_lab.patterns.vertical_slash.VerticalSlashPattern._from_top_k`), the index has a fixed
 capacity, and the pair count stays on the device until :attr:`PairStats.fraction` is read. One
 exception: the Triton kernel's launch config for calls of more than ``kernels.tuning.SPARSE_SHORT_QUERIES``
 queries leaves ``split`` open, and a call then sizes it from the index's tile and bar counts, read back

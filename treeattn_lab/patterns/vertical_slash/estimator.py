@@ -58,7 +58,7 @@ def estimate(q, k, *, last_q: int = 64, n_vertical: int, n_slash: int, sinks: in
     :func:`line_scores`, always including the first ``sinks`` columns and the first ``local`` offsets
     (the attention sinks and the local window). Budgets larger than ``N`` are clipped. The top-k indices
     are distinct and in range by construction, so the pattern is built without reading them back
-    (:meth:`VerticalSlashPattern.from_top_k`).
+    (:meth:`VerticalSlashPattern._from_top_k`).
     """
     _check_estimate_inputs(q, k, last_q, sinks, local, scale)
     for name, value in (("n_vertical", n_vertical), ("n_slash", n_slash)):
@@ -68,7 +68,7 @@ def estimate(q, k, *, last_q: int = 64, n_vertical: int, n_slash: int, sinks: in
     vertical, slash = line_scores(q, k, last_q=last_q, scale=scale)
     v_idx = _forced(vertical, sinks).topk(min(n_vertical, N), dim=1).indices
     s_idx = _forced(slash, local).topk(min(n_slash, N), dim=1).indices
-    return VerticalSlashPattern.from_top_k(v_idx, s_idx, block_size, num_tokens=N)
+    return VerticalSlashPattern._from_top_k(v_idx, s_idx, block_size, num_tokens=N)
 
 
 def _top_p_lines(scores: torch.Tensor, first: int, p: float, cap: int) -> torch.Tensor:

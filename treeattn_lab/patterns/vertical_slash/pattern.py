@@ -51,9 +51,10 @@ class VerticalSlashPattern:
         self._entries_below = None  # an exclusive bound on every entry, once known on the host
 
     @classmethod
-    def from_top_k(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int, *,
-                   num_tokens: int) -> VerticalSlashPattern:
-        """The pattern of an estimator's own top-k indices, built on the device without a host read.
+    def _from_top_k(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int, *,
+                    num_tokens: int) -> VerticalSlashPattern:
+        """The pattern of an estimator's own top-k indices, built on the device without a host read
+        (private: user input goes through the validated constructor or :func:`estimate`).
 
         ``vertical [H, nv]`` and ``slash [H, ns]`` must be integer ``topk`` indices over ``num_tokens``
         scores per row: distinct, in ``[0, num_tokens)``, no padding. Rows are sorted on the device; the
