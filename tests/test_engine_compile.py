@@ -1,6 +1,6 @@
 """The engine under a model whose layers are compiled (``engine.compile_layers``).
 
-The engine's per-layer attention is opaque to torch.compile (``engine.attention.layer_attention_call``),
+The engine's per-layer attention is opaque to torch.compile (``engine/attention.py``),
 so each compiled layer is two graphs around one eager attention call, shared by every layer and every
 DFS block: gradients equal the eager flat ground truth in float64, and a step neither recompiles per
 layer nor per block.

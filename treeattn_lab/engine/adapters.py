@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from . import hf_attention
-from .attention import layer_attention_call
 
 LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 
@@ -106,8 +105,10 @@ class TinyLMAdapter(ModelAdapter):
 _HEADS_CHECKED: weakref.WeakSet = weakref.WeakSet()
 
 
+@torch.compiler.disable
 def _call_with_layer(attention: LayerAttention, layer: int, q, k, v):
-    return layer_attention_call(attention, layer, q, k, v, None)
+    """A TinyLM layer's attention call, eager even inside a compiled layer (``engine/attention.py``)."""
+    return attention(layer, q, k, v, None)
 
 
 class HFCausalLMAdapter(ModelAdapter):
@@ -211,8 +212,8 @@ def compile_layers(model, **compile_kwargs):
     """Compile every decoder layer of ``model`` in place (``layer.compile(dynamic=True, ...)``) and return
     ``model``: the way to run the engine with ``torch.compile``.
 
-    The engine hands each layer its attention through an eager call (``attention.layer_attention_call``),
-    so every layer's code compiles to the same graphs (before and after its
+    The engine hands each layer its attention through an eager call (``engine/attention.py``), so every
+    layer's code compiles to the same graphs (before and after its
     attention), shared by all layers and by every DFS block and micro-batch size; what adds graphs is grad
     mode (a DFS push runs without autograd) and torch's specialization of 1-token sizes. The fusion cuts
     the kernels, and the host's work per kernel, that a layer of many small calls costs. ``compile_kwargs``

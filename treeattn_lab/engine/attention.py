@@ -12,24 +12,17 @@ All take ``q [B, N, Hq, D]``, ``k, v [B, S, Hkv, D]`` (grouped-query heads allow
 - :func:`packed_tree` (packed): one batch row holding a whole :class:`TreePack`; tree attention.
 
 A model's layer reaches whichever of them the engine chose through a call ``torch.compile`` does not
-trace (:func:`layer_attention_call` for TinyLM, the registered attention function for a Hugging Face
-model): the engine's attention keeps Python state per call (the DFS path, the prefix leaves, per-layer
-indices), so a model whose layers were compiled runs each layer as compiled graphs before and after one
-eager attention call, the same graphs for every layer and call, instead of recompiling for each layer
-index and each DFS block.
+trace (the adapter's per-layer call for TinyLM, ``adapters._call_with_layer``; the registered attention
+function for a Hugging Face model, ``hf_attention._hf_attention``): the engine's attention keeps Python
+state per call (the DFS path, the prefix leaves, per-layer indices), so a model whose layers were compiled
+runs each layer as compiled graphs before and after one eager attention call, the same graphs for every
+layer and call, instead of recompiling for each layer index and each DFS block.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
-
-
-@torch.compiler.disable
-def layer_attention_call(attention, layer: int, q, k, v, scale):
-    """``attention(layer, q, k, v, scale)``, eager even inside a compiled layer (module docstring)."""
-    return attention(layer, q, k, v, scale)
 
 
 def _repeat_heads(x, group: int):
@@ -76,4 +69,4 @@ def packed_tree(pack, backend: str = "auto"):
     return attend
 
 
-__all__ = ["causal", "layer_attention_call", "packed_tree", "prefix_tree", "suffix_causal"]
+__all__ = ["causal", "packed_tree", "prefix_tree", "suffix_causal"]

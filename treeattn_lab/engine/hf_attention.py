@@ -73,8 +73,8 @@ def _refuse_unhandled(kwargs: dict, longest: int | None) -> None:
 @torch.compiler.disable
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function registered with ``transformers`` (module docstring). Opaque to ``torch.compile``,
-    like :func:`~treeattn_lab.engine.attention.layer_attention_call`: a compiled layer calls it eagerly, so
-    its graphs do not depend on the layer's index or on the engine's per-call state."""
+    like the TinyLM adapter's per-layer call (``engine/attention.py``): a compiled layer calls it eagerly,
+    so its graphs do not depend on the layer's index or on the engine's per-call state."""
     attention = _ACTIVE["attention"]
     if attention is None:
         raise RuntimeError(

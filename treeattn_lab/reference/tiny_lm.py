@@ -77,9 +77,10 @@ class Rotary:
 
     def __init__(self, position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
         self.position_ids, self.head_dim, self.theta, self.dtype = position_ids, head_dim, theta, dtype
-        self.cos, self.sin = self._float64_tables(dtype)
+        self.cos, self.sin = self._computed_tables(dtype)
 
-    def _float64_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _computed_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of the float64 angles, cast to ``dtype``."""
         d = self.head_dim
         inv_freq = 1.0 / self.theta ** (
             torch.arange(0, d, 2, device=self.position_ids.device, dtype=torch.float64) / d
@@ -92,7 +93,7 @@ class Rotary:
         """``(cos, sin)`` ``[..., N, 1, D]`` in ``dtype``."""
         if dtype == self.dtype:
             return self.cos, self.sin
-        return self._float64_tables(dtype)
+        return self._computed_tables(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
