@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -124,10 +126,12 @@ def backend_rows(model, pack, backend: str, *, reps: int, compile_backend: str,
 
 
 def _attempt(fn) -> dict:
-    """``fn()``, or ``{"error": ...}`` when it raises (one failing mode must not end the run)."""
+    """``fn()``, or ``{"error": ...}`` when it raises (one failing mode must not end the run); the whole
+    traceback goes to stderr, the results keep its first line."""
     try:
         return fn()
     except Exception as error:  # noqa: BLE001 - recorded in the results, the run goes on
+        traceback.print_exc(file=sys.stderr)
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
 
 
