@@ -33,15 +33,22 @@ OPTIONAL_BACKENDS = {"tree_attention": {"fa4": fa4_available}}
 OPTIONAL_NEEDS = {"fa4": FA4_NEEDS}
 
 
+@torch.compiler.assume_constant_result  # a fact of the install: torch.compile reads it once, as a constant
+def module_found(name: str) -> bool:
+    """Whether module ``name`` can be imported here (``importlib.util.find_spec``, which torch.compile does
+    not trace)."""
+    return importlib.util.find_spec(name) is not None
+
+
 def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
     """Backends that can run ``op`` on ``device`` (forward at least)."""
     if op not in KERNELS:
         raise ValueError(f"unknown op {op!r}; choose one of {tuple(KERNELS)}")
     out = ["reference"]
-    if op not in NO_FLEX and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None:
+    if op not in NO_FLEX and module_found("torch.nn.attention.flex_attention"):
         out.append("flex")
     kernel = f"treeattn_lab.kernels.{KERNELS[op]}"
-    if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(kernel) is not None:
+    if module_found("triton") and module_found(kernel):
         out.append("triton")
     optional = [name for name, usable in OPTIONAL_BACKENDS.get(op, {}).items() if usable(device)]
     return out + list(OP_BACKENDS.get(op, ())) + optional
