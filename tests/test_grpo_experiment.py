@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import pytest
 
@@ -16,7 +18,7 @@ def _run(tmp_path, *args):
 
 
 def test_tiny_mode_end_to_end(tmp_path, capsys):
-    path, result = _run(tmp_path, "--seeds", "3")
+    path, result = _run(tmp_path, "--seeds", "3", "--budget-s", "1e6")  # a budget that never binds
     assert "GRPO flat vs tree" in capsys.readouterr().out
     cfg = grpo_tree.MODES["tiny"]
     rows = result["steps"]
@@ -28,8 +30,10 @@ def test_tiny_mode_end_to_end(tmp_path, capsys):
     for r in rows:
         assert r["token_ratio"] > 1 and r["times_s"]["train"] > 0 and r["step_s"] > 0
     assert result["grad_rel_diff"]["3"] < 1e-5  # step-0 gradients agree, float32
+    assert result["steps_done"] == {"3": cfg.steps} and result["stopped_early"] is False
+    assert all(s["steps"] == cfg.steps and s["learner_median_s"] > 0 for s in result["rows"])
     head = result["headline"]
-    assert head["token_ratio"] > 1 and head["learner_speedup"] > 0
+    assert head["token_ratio"] > 1 and head["learner_speedup"] > 0 and head["learner_speedup_median"] > 0
     assert {s["loop"] for s in result["rows"]} == {"flat", "tree"}
     assert result["config"]["model"]["dim"] == cfg.model.dim and result["environment"]["device"] == "cpu"
     assert not list(tmp_path.glob(".*.tmp")), "written through a temporary file, then replaced"
@@ -49,8 +53,95 @@ def test_merge_of_per_seed_runs(tmp_path):
     assert json.loads(written.read_text())["config"]["seeds"] == [0, 1]
     with pytest.raises(ValueError, match="repeat a seed"):
         grpo_tree.merge_results([a, a])
+    _, both = _run(tmp_path / "both", "--seeds", "0,1")  # one process, two seeds: the same result
+    merged_json = json.loads(written.read_text())
+    assert set(merged_json) - {"merged_from"} == set(both)
+    assert [set(r) for r in merged_json["rows"]] == [set(r) for r in both["rows"]]
+    assert set(merged_json["headline"]) == set(both["headline"])
+    for key in ("config", "evals", "grad_rel_diff", "steps_done", "stopped_early"):
+        assert merged_json[key] == both[key], key
+    for key in ("seed", "loop", "final_reward", "first_reward", "eval_before", "eval_after", "token_ratio",
+                "steps"):
+        assert [r[key] for r in merged_json["rows"]] == [r[key] for r in both["rows"]], key
     with pytest.raises(SystemExit):  # a tiny run is not a quick run
         grpo_tree.main(["--mode", "quick", "--merge", str(a_path), "--no-save"])
+
+
+def test_budget_stops_after_the_first_step_and_still_evaluates(tmp_path, capsys):
+    path, result = _run(tmp_path, "--seeds", "2", "--budget-s", "0.001")
+    assert "stopped early by --budget-s" in capsys.readouterr().out
+    assert result["stopped_early"] is True and result["steps_done"] == {"2": 1}
+    assert sorted((r["mode"], r["step"]) for r in result["steps"]) == [("flat", 0), ("tree", 0)]
+    assert [(r["loop"], r["steps"]) for r in result["rows"]] == [("flat", 1), ("tree", 1)]
+    assert set(result["evals"]["2"]) == {"warm-up", "flat", "tree"}  # evaluated after the stop
+    assert result["config"]["steps"] == grpo_tree.MODES["tiny"].steps  # the mode's setting, still mergeable
+
+
+def test_a_run_of_several_seeds_saves_after_each_seed(tmp_path, monkeypatch):
+    from treeattn_lab.bench import harness
+
+    written = []
+
+    def recording_write(path, text):
+        written.append((path, json.loads(text)["config"]["seeds"]))
+        real_write(path, text)
+
+    real_write = harness.write_text_atomic
+    monkeypatch.setattr(harness, "write_text_atomic", recording_write)
+    path, result = _run(tmp_path, "--seeds", "0,1", "--budget-s", "0.001")
+    assert [seeds for _, seeds in written] == [[0], [0, 1], [0, 1]]  # after seed 0, after seed 1, the end
+    assert {p for p, _ in written} == {path}
+    assert result["steps_done"] == {"0": 1, "1": 1}  # the budget holds for the run; each seed takes a step
+
+
+@pytest.mark.parametrize("budget", ["0", "-1", "nan", "inf", "soon"])
+def test_bad_budget(budget, capsys):
+    with pytest.raises(SystemExit):
+        grpo_tree.main(["--mode", "tiny", "--budget-s", budget, "--no-save"])
+    assert "argument --budget-s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget, error", [(0, ValueError), (float("nan"), ValueError), (True, TypeError),
+                                           ("60", TypeError)])
+def test_run_experiment_refuses_a_bad_budget_before_training(budget, error, monkeypatch):
+    monkeypatch.setattr(grpo_tree, "run_seed", lambda *a, **k: pytest.fail("trained despite a bad budget"))
+    with pytest.raises(error, match="budget_s"):
+        grpo_tree.run_experiment("tiny", progress=False, budget_s=budget)
+
+
+class _Stderr(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_bars_off_a_terminal_redraw_every_few_seconds(monkeypatch):
+    import tqdm.auto as tqdm_auto
+
+    plain = tqdm_auto.tqdm
+    monkeypatch.setattr(sys, "stderr", _Stderr(tty=False))
+    with grpo_tree.log_friendly_progress(interval_s=4.0):
+        from tqdm.auto import tqdm  # as the warm-up and the step loop look it up, at call time
+
+        sink = io.StringIO()
+        with tqdm(total=3, file=sink) as bar, tqdm(total=3, file=sink, mininterval=0.5) as own:
+            assert bar.mininterval == 4.0 and own.mininterval == 0.5  # a bar's own setting is kept
+            drawn = sink.getvalue()
+            for loss in range(5):  # the warm-up sets a postfix every step: it waits for the next redraw
+                bar.set_postfix(loss=loss)
+                bar.update(0)
+            assert sink.getvalue() == drawn and bar.postfix == "loss=4"
+        assert isinstance(bar, plain)
+    assert tqdm_auto.tqdm is plain
+    with pytest.raises(RuntimeError), grpo_tree.log_friendly_progress():
+        raise RuntimeError  # the bar class comes back after an error too
+    assert tqdm_auto.tqdm is plain
+    monkeypatch.setattr(sys, "stderr", _Stderr(tty=True))
+    with grpo_tree.log_friendly_progress(interval_s=4.0):
+        assert tqdm_auto.tqdm is plain  # a terminal redraws in place: nothing to change
 
 
 @pytest.mark.parametrize("seeds", ["a", "-1", "1,1"])

@@ -16,18 +16,35 @@ token ratio (flat tokens / tree tokens) of the batch that real sampling made. Th
 final reward (the mean sampled reward of the last ``final_window`` steps, and the greedy evaluation) and
 the log-prob + training time per step, flat against tree.
 
+Time per phase and per step is summarised twice: the mean over every step after the first (the first pays
+one-time costs: allocations, caches, compilation), and the median, which also passes over the odd step
+that compiles again or autotunes for a new shape.
+
 Modes: ``tiny`` (CI, seconds), ``quick`` (sized for a 2-core CPU: three seeds within ten minutes; run the
-seeds one after another, or as separate processes joined with ``--merge``), ``full`` (sized for one H200).
-A result file's ``rows`` are the per-(seed, loop) summary; ``steps`` holds every step's record.
+seeds one after another, or as separate processes joined with ``--merge``), ``full`` (sized for one H200:
+one seed per process, well inside a ten-minute command, at 32 prompts x 16 rollouts a step so that the
+learner phases carry real work; join the seeds with ``--merge``).
+A result file's ``rows`` are the per-(seed, loop) summary; ``steps`` holds every step's record,
+``steps_done`` the GRPO steps each seed took and ``stopped_early`` whether a seed took fewer than
+``config["steps"]``.
+
+``--budget-s S`` bounds a run that a time limit may kill: after each step, when the wall time since the
+run began would pass ``S`` seconds by the end of another step and the final evaluation, no new GRPO step
+starts and the seed is evaluated and summarised as it stands (every seed takes at least one step). A run
+of several seeds writes its result file after each seed, for the seeds done (atomically, like the last).
 
     python -m treeattn_lab.experiments.grpo_tree --mode quick --seeds 0,1,2
+    python -m treeattn_lab.experiments.grpo_tree --mode full --seeds 0 --budget-s 480
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import math
+import numbers
 import statistics
 import sys
 import time
@@ -85,8 +102,8 @@ MODES = {
     "quick": ExperimentConfig(seeds=(0, 1, 2)),
     "full": ExperimentConfig(digits=2, shots=32, turns=2, forks=(2,),
                              model=tiny_lm_config(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1376),
-                             warmup_steps=2000, steps=200, prompts_per_step=32,
-                             group_size=16, lr=1e-4, eval_problems=256, final_window=20, seeds=(0, 1, 2)),
+                             warmup_steps=2000, steps=48, prompts_per_step=32,
+                             group_size=16, lr=1e-4, eval_problems=256, final_window=10, seeds=(0, 1, 2)),
 }
 LOOPS = ("flat", "tree")
 
@@ -110,8 +127,13 @@ def gradient_check(model, task, cfg: ExperimentConfig, seed: int) -> float:
     return float((grads["tree"] - grads["flat"]).norm() / grads["flat"].norm().clamp(min=1e-30))
 
 
-def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) -> dict:
-    """The protocol of the module docstring for one seed: ``{"steps", "evals", "grad_rel_diff"}``."""
+def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True,
+             deadline: float | None = None) -> dict:
+    """The protocol of the module docstring for one seed: ``{"steps", "evals", "grad_rel_diff"}``.
+
+    ``deadline`` (a :func:`time.perf_counter` reading): after each step, no new step starts when another
+    step as long as the last one, then the final evaluation (twice the warm-up evaluation), would end
+    past it."""
     from tqdm.auto import tqdm
 
     task = cfg.task()
@@ -119,14 +141,22 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True) ->
     model = TinyLM(cfg.model).to(device)
     task.warm_up(model, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=seed, progress=progress)
     held_out = task.problems(cfg.eval_problems, seed=10_000 + seed)
+    eval_start = time.perf_counter()
     evals = {"warm-up": task.evaluate(model, held_out)}
+    final_eval_s = len(LOOPS) * (time.perf_counter() - eval_start)
     grad_rel_diff = gradient_check(model, task, cfg, seed)
     trainers = {loop: GRPO(copy.deepcopy(model), task, cfg.grpo(), mode=loop, seed=seed) for loop in LOOPS}
     steps = []
-    for step in tqdm(range(cfg.steps), desc=f"GRPO flat + tree, seed {seed}", disable=not progress):
-        for loop in LOOPS if step % 2 == 0 else LOOPS[::-1]:
-            record = trainers[loop].step()
-            steps.append({"seed": seed, **{k: v for k, v in record.items() if k != "losses"}})
+    with tqdm(total=cfg.steps, desc=f"GRPO flat + tree, seed {seed}", disable=not progress) as bar:
+        for step in range(cfg.steps):
+            step_start = time.perf_counter()
+            for loop in LOOPS if step % 2 == 0 else LOOPS[::-1]:
+                record = trainers[loop].step()
+                steps.append({"seed": seed, **{k: v for k, v in record.items() if k != "losses"}})
+            bar.update()
+            now = time.perf_counter()
+            if deadline is not None and now + (now - step_start) + final_eval_s > deadline:
+                break
     for loop, trainer in trainers.items():
         evals[loop] = task.evaluate(trainer.model, held_out)
     return {"steps": steps, "evals": {seed: evals}, "grad_rel_diff": {seed: grad_rel_diff}}
@@ -138,8 +168,8 @@ def _learner_s(row: dict) -> float:
 
 
 def summarize(steps: list[dict], evals: dict, final_window: int) -> list[dict]:
-    """One row per (seed, loop) of the per-step records: final rewards, mean time per phase and per step,
-    token ratio, memory."""
+    """One row per (seed, loop) of the per-step records: final rewards, time per phase and per step (means,
+    and medians of the learner time and the step), token ratio, memory, steps taken."""
     out = []
     for seed in sorted({r["seed"] for r in steps}):
         for loop in LOOPS:
@@ -158,6 +188,9 @@ def summarize(steps: list[dict], evals: dict, final_window: int) -> list[dict]:
                 **{f"{p}_s": statistics.fmean(r["times_s"][p] for r in timed) for p in PHASES},
                 "learner_s": statistics.fmean(_learner_s(r) for r in timed),
                 "step_s": statistics.fmean(r["step_s"] for r in timed),
+                "learner_median_s": statistics.median(_learner_s(r) for r in timed),
+                "step_median_s": statistics.median(r["step_s"] for r in timed),
+                "steps": len(mine),
                 "token_ratio": statistics.fmean(r["token_ratio"] for r in mine),
                 "peak_memory_bytes": max((r["peak_memory_bytes"] or 0) for r in mine) or None,
             })
@@ -165,7 +198,8 @@ def summarize(steps: list[dict], evals: dict, final_window: int) -> list[dict]:
 
 
 def headline(summary: list[dict], grad_rel_diff: dict) -> dict:
-    """Flat against tree over seeds: final rewards (mean and range), learner time per step, its speed-up."""
+    """Flat against tree over seeds: final rewards (mean and range), learner time per step and its
+    speed-up, of the means and of the medians."""
     by = {loop: [s for s in summary if s["loop"] == loop] for loop in LOOPS}
     out = {}
     for loop, rows in by.items():
@@ -173,8 +207,10 @@ def headline(summary: list[dict], grad_rel_diff: dict) -> dict:
         out[loop] = {"final_reward": statistics.fmean(finals), "final_min": min(finals),
                      "final_max": max(finals), "eval_after": statistics.fmean(s["eval_after"] for s in rows),
                      "learner_s": statistics.fmean(s["learner_s"] for s in rows),
+                     "learner_median_s": statistics.fmean(s["learner_median_s"] for s in rows),
                      "step_s": statistics.fmean(s["step_s"] for s in rows)}
     out["learner_speedup"] = out["flat"]["learner_s"] / out["tree"]["learner_s"]
+    out["learner_speedup_median"] = out["flat"]["learner_median_s"] / out["tree"]["learner_median_s"]
     out["step_speedup"] = out["flat"]["step_s"] / out["tree"]["step_s"]
     out["token_ratio"] = statistics.fmean(s["token_ratio"] for s in summary)
     out["max_grad_rel_diff"] = max(grad_rel_diff.values())
@@ -184,24 +220,47 @@ def headline(summary: list[dict], grad_rel_diff: dict) -> dict:
     return out
 
 
-def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True) -> dict:
-    """Every seed of ``cfg``; returns ``{"config", "steps", "evals", "grad_rel_diff", "summary", "headline",
-    "seconds", "device"}``."""
+def check_budget(budget_s) -> float | None:
+    """``budget_s`` as a float > 0, or None (no budget); a bool, a non-number, NaN or infinity is refused."""
+    if budget_s is None:
+        return None
+    if isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real):
+        raise TypeError(f"budget_s must be a number of seconds, got {type(budget_s).__name__}")
+    if not (math.isfinite(budget_s) and budget_s > 0):
+        raise ValueError(f"budget_s must be a finite number of seconds > 0, got {budget_s}")
+    return float(budget_s)
+
+
+def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True,
+                   budget_s: float | None = None, on_seed=None) -> dict:
+    """Every seed of ``cfg``; returns ``{"config", "steps", "evals", "grad_rel_diff", "steps_done",
+    "stopped_early", "summary", "headline", "seconds", "device"}``.
+
+    ``budget_s``: the wall-time budget of the whole run, in seconds (module docstring). ``on_seed``: called
+    after each seed with the result of the seeds done so far (they are its ``config["seeds"]``)."""
     cfg = MODES[cfg] if isinstance(cfg, str) else cfg
+    budget_s = check_budget(budget_s)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
-    steps, evals, grads = [], {}, {}
-    for seed in cfg.seeds:
-        part = run_seed(cfg, seed, device, progress)
+    deadline = None if budget_s is None else start + budget_s
+    steps, evals, grads, result = [], {}, {}, None
+    for done, seed in enumerate(cfg.seeds, start=1):
+        part = run_seed(cfg, seed, device, progress, deadline)
         steps += part["steps"]
         evals.update(part["evals"])
         grads.update(part["grad_rel_diff"])
-    return _result(asdict(cfg), steps, evals, grads, time.perf_counter() - start, str(device))
+        config = {**asdict(cfg), "seeds": list(cfg.seeds[:done])}
+        result = _result(config, steps, evals, grads, time.perf_counter() - start, str(device))
+        if on_seed is not None:
+            on_seed(result)
+    return result
 
 
 def _result(config: dict, steps, evals, grads, seconds: float, device: str) -> dict:
     summary = summarize(steps, evals, config["final_window"])
-    return {"config": config, "steps": steps, "evals": evals, "grad_rel_diff": grads, "summary": summary,
+    done = {seed: 1 + max(r["step"] for r in steps if r["seed"] == seed) for seed in sorted(evals)}
+    return {"config": config, "steps": steps, "evals": evals, "grad_rel_diff": grads, "steps_done": done,
+            "stopped_early": any(n < config["steps"] for n in done.values()), "summary": summary,
             "headline": headline(summary, grads), "seconds": seconds, "device": device}
 
 
@@ -227,7 +286,44 @@ def merge_results(results: list[dict]) -> dict:
 COLUMNS = [("seed", "seed"), ("loop", "loop"), ("first_reward", "reward step 0"),
            ("final_reward", "final reward"), ("eval_before", "greedy before"), ("eval_after", "greedy after"),
            ("logprobs_s", "log-probs s"), ("train_s", "train s"), ("sample_s", "sample s"),
-           ("step_s", "step s"), ("token_ratio", "token ratio")]
+           ("learner_median_s", "learner median s"), ("step_s", "step s"), ("token_ratio", "token ratio"),
+           ("steps", "steps")]
+
+
+def budget_seconds(text: str) -> float:
+    """``--budget-s``: a finite number of seconds > 0."""
+    try:
+        return check_budget(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+
+
+@contextlib.contextmanager
+def log_friendly_progress(interval_s: float = 5.0):
+    """While stderr is not a terminal (a log file, a pipe), every ``tqdm.auto`` bar opened in the block (the
+    warm-up's, the GRPO steps') redraws at most every ``interval_s`` seconds unless it sets its own
+    ``mininterval``, and a new postfix waits for the next redraw: off a terminal tqdm cannot redraw in
+    place, so each redraw is one more line of log. On a terminal the bars are left as they are."""
+    import tqdm.auto
+
+    if sys.stderr.isatty():
+        yield
+        return
+    plain = tqdm.auto.tqdm
+
+    class LogBar(plain):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("mininterval", interval_s)
+            super().__init__(*args, **kwargs)
+
+        def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+            super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+    tqdm.auto.tqdm = LogBar
+    try:
+        yield
+    finally:
+        tqdm.auto.tqdm = plain
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=sorted(MODES), default="quick")
     parser.add_argument("--seeds", type=seed_list, default=None, help="comma list, e.g. 0,1,2")
     parser.add_argument("--steps", type=positive_int, default=None, help="override the mode's GRPO steps")
+    parser.add_argument("--budget-s", type=budget_seconds, default=None,
+                        help="start no GRPO step that would end (with the final evaluation) past this many "
+                             "seconds of the run; the seeds are still evaluated and saved")
     parser.add_argument("--device", default=None)
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
@@ -250,23 +349,31 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, steps=args.steps)
     if args.seeds:
         cfg = replace(cfg, seeds=args.seeds)
-    if args.merge:
-        saved = [json.loads(Path(f).read_text()) for f in args.merge]
-        result, env = merge_results(saved), saved[0]["environment"]
+    saved = [json.loads(Path(f).read_text()) for f in args.merge or ()]
+    env = saved[0]["environment"] if saved else environment()  # merged: where the runs ran, not here
+
+    def save(result: dict) -> Path:
+        # the summary is the file's table (rows); the per-step records go with it as "steps"
+        return write_results(f"{BENCH_NAME}-{args.mode}", result["summary"], env, directory=args.out,
+                             extra={k: v for k, v in result.items() if k != "summary"})
+
+    if saved:
+        result = merge_results(saved)
         result["merged_from"] = [r.get("command") for r in saved]  # the per-seed runs, as they were run
         mode = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k != "seeds"}
         if {k: v for k, v in result["config"].items() if k != "seeds"} != mode:
             parser.error(f"the results to merge were not run in --mode {args.mode} (with its --steps)")
     else:
-        result, env = run_experiment(cfg, device=args.device, progress=not args.no_progress), environment()
+        with log_friendly_progress():
+            result = run_experiment(cfg, device=args.device, progress=not args.no_progress,
+                                    budget_s=args.budget_s, on_seed=None if args.no_save else save)
     print_table(f"GRPO flat vs tree ({args.mode}, {result['device']}, {result['seconds']:.0f} s)", COLUMNS,
                 result["summary"])
     print("headline:", json.dumps(result["headline"], indent=1))
+    if result["stopped_early"]:
+        print(f"stopped early by --budget-s: GRPO steps done per seed {result['steps_done']} of {cfg.steps}")
     if not args.no_save:
-        # the summary is the file's table (rows); the per-step records go with it as "steps"
-        path = write_results(f"{BENCH_NAME}-{args.mode}", result["summary"], env, directory=args.out,
-                             extra={k: v for k, v in result.items() if k != "summary"})
-        print(f"wrote {path}")
+        print(f"wrote {save(result)}")
     return 0
 
 
