@@ -99,8 +99,8 @@ def test_scores_are_greedy_exact_match_and_per_digit_accuracy():
 
 # ---------------------------------------------------------------------------------------------- curriculum
 def test_the_curriculum_runs_its_stages_in_order_on_one_model_and_records_each(monkeypatch):
-    stages = (Stage(100, 3, 2), Stage(128, 2, 3), Stage(160, 4, 1))
-    cfg = replace(MODES["tiny"], pretrain=stages, seq_len=160)
+    stages = (Stage(100, 3, 2), Stage(128, 2, 3, lr=1e-3), Stage(160, 4, 1, lr=5e-4))
+    cfg = replace(MODES["tiny"], pretrain=stages, seq_len=160, lr=2e-3)
     calls = []
 
     def recording(model, attention, cfg_, **kw):
@@ -114,14 +114,21 @@ def test_the_curriculum_runs_its_stages_in_order_on_one_model_and_records_each(m
     torch.manual_seed(0)
     model = TinyLM(cfg.model)
     history = sparse_training.pretrain(model, cfg, seed=4, progress=False)
-    assert [(c["seq_len"], c["steps"], c["batch_size"]) for c in calls] == [tuple(vars(s).values())
+    assert [(c["seq_len"], c["steps"], c["batch_size"]) for c in calls] == [(s.seq_len, s.steps, s.batch_size)
                                                                            for s in stages]
     assert all(c["model"] is model and c["changed"] for c in calls)  # one model trained stage after stage
-    assert all(c["attention"] is causal_sdpa and c["lr"] == cfg.lr for c in calls)  # dense, pretraining lr
+    assert all(c["attention"] is causal_sdpa for c in calls)  # dense
+    optimizer = calls[0]["optimizer"]  # one AdamW through the stages: its moments carry over
+    assert optimizer is not None and all(c["optimizer"] is optimizer for c in calls)
+    assert {int(state["step"]) for state in optimizer.state.values()} == {9}
     assert len({c["seed"] for c in calls}) == 3, "each stage draws its own batches"
     assert history["seq_len"] == [100] * 3 + [128] * 2 + [160] * 4
-    for key in ("loss", "lm_loss", "key_loss", "step_ms"):
+    for key in ("loss", "lm_loss", "key_loss", "step_ms", "lr"):
         assert len(history[key]) == 9
+    assert history["lr"] == [cfg.pretrain_lr(i, step) for i, stage in enumerate(stages)
+                             for step in range(stage.steps)]
+    assert history["lr"][3] == 1e-3 and history["lr"][5] == 5e-4  # each later stage starts at its own peak
+    assert max(history["lr"]) == 2e-3  # the configuration's rate, for the stage that names none
     assert all(math.isfinite(x) for x in history["lm_loss"])
     again = sparse_training.pretrain(TinyLM(cfg.model), cfg, seed=4, progress=False)
     assert again["seq_len"] == history["seq_len"] and len(calls) == 6
@@ -147,6 +154,52 @@ def test_curricula_that_shrink_overrun_or_cannot_hold_the_passkey_are_refused():
         Stage(128, 5, 2.0)
 
 
+@pytest.mark.parametrize("bad", [0.0, -1e-3, math.nan, math.inf])
+def test_learning_rates_that_are_not_finite_and_positive_are_refused(bad):
+    with pytest.raises(ValueError, match=r"Stage\.lr must be a finite number > 0"):
+        Stage(128, 5, 2, lr=bad)
+    for name in ("lr", "extend_lr"):
+        with pytest.raises(ValueError, match=f"^{name} must be a finite number > 0"):
+            ExperimentConfig(**{name: bad})
+    for wrong in ("3e-3", True, [1e-3]):
+        with pytest.raises(TypeError, match=r"Stage\.lr must be a number"):
+            Stage(128, 5, 2, lr=wrong)
+    for wrong in ("3e-3", True, None):  # a stage may leave its peak to the configuration, which may not
+        with pytest.raises(TypeError, match="^lr must be a number"):
+            ExperimentConfig(lr=wrong)
+
+
+def test_stage_peaks_that_rise_are_refused_and_a_stage_without_one_takes_the_configurations():
+    with pytest.raises(ValueError, match="must not rise from one stage to the next"):
+        ExperimentConfig(pretrain=(Stage(128, 5, 2, lr=1e-3), Stage(256, 5, 2, lr=2e-3)))
+    with pytest.raises(ValueError, match="must not rise"):  # None is cfg.lr: 3e-3 after 1e-3
+        ExperimentConfig(lr=3e-3, pretrain=(Stage(128, 5, 2, lr=1e-3), Stage(256, 5, 2)))
+    stages = (Stage(128, 5, 2), Stage(256, 5, 2, lr=2e-3), Stage(512, 5, 2, 1e-3))
+    cfg = ExperimentConfig(lr=2e-3, pretrain=stages)
+    assert cfg.stage_peaks() == (2e-3, 2e-3, 1e-3)
+
+
+def test_the_pretraining_rate_warms_up_once_then_falls_continuously_from_peak_to_peak():
+    stages = (Stage(100, 50, 2, lr=3e-3), Stage(128, 7, 2, lr=2e-3), Stage(160, 1, 2, lr=2e-3),
+              Stage(200, 30, 2, lr=5e-4))
+    cfg = ExperimentConfig(pretrain=stages, seq_len=200)
+    rates = [[cfg.pretrain_lr(i, step) for step in range(s.steps)] for i, s in enumerate(stages)]
+    warmup = 5  # min(100, 50 // 10)
+    assert rates[0][:warmup] == pytest.approx([3e-3 * (k + 1) / warmup for k in range(warmup)])
+    assert rates[0][warmup] == pytest.approx(3e-3)
+    for i in (1, 2, 3):  # a later stage starts at its own peak: no second warmup, no jump
+        assert rates[i][0] == pytest.approx(stages[i].lr)
+    flat = [r for stage in rates for r in stage][warmup:]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(flat, flat[1:], strict=False)), "never rises"
+    # the step before a stage starts is within one cosine step of the next stage's peak
+    for i in (0, 1):
+        step = math.pi / (stages[i].steps - (warmup if i == 0 else 0))
+        gap = (stages[i].lr - stages[i + 1].lr) * (1 - math.cos(step)) / 2
+        assert rates[i][-1] - stages[i + 1].lr == pytest.approx(gap, abs=1e-15)
+    # the last stage decays towards a tenth of its peak
+    assert rates[-1][-1] == pytest.approx(5e-5 + 4.5e-4 * (1 + math.cos(math.pi * 29 / 30)) / 2, rel=1e-12)
+
+
 def test_every_mode_pretrains_first_at_a_shorter_context_than_its_last_stage():
     """(The config itself refuses stages that shrink or pass seq_len.) Every mode's curriculum has a
     first stage strictly shorter than its last, and its last no longer than the extension's context."""
@@ -154,6 +207,18 @@ def test_every_mode_pretrains_first_at_a_shorter_context_than_its_last_stage():
         lengths = [s.seq_len for s in cfg.pretrain]
         assert len(lengths) >= 2 and lengths[0] < lengths[-1] <= cfg.seq_len, name
     assert all(MODES[m].model.n_layers >= 2 for m in MODES)  # an induction head takes two layers
+
+
+@pytest.mark.parametrize("mode", ["quick", "full"])
+def test_quick_and_full_learn_the_copy_at_128_bytes_then_double_the_context_without_re_heating(mode):
+    cfg = MODES[mode]
+    lengths = [s.seq_len for s in cfg.pretrain] + [cfg.seq_len]
+    assert lengths[0] == 128 and all(b == 2 * a for a, b in zip(lengths, lengths[1:], strict=False)), lengths
+    assert cfg.pretrain[0].steps == max(s.steps for s in cfg.pretrain)  # the copy forms first
+    rates = [cfg.pretrain_lr(i, step) for i, s in enumerate(cfg.pretrain) for step in range(s.steps)]
+    top = rates.index(max(rates))  # the end of the first stage's warmup
+    assert all(b <= a for a, b in zip(rates[top:], rates[top + 1:], strict=False))
+    assert cfg.extend_lr <= cfg.stage_peaks()[-1]
 
 
 # ---------------------------------------------------------------------------------------------- window sizing
@@ -329,8 +394,8 @@ def test_tiny_mode_writes_every_measurement(tiny_runs):
         assert len(history["loss"]) == len(history["step_ms"]) == steps
     assert run["histories"]["pretrain/seed0"]["seq_len"] == [s.seq_len for s in cfg.pretrain for _ in
                                                              range(s.steps)]
-    assert run["config"]["pretrain"] == [{"seq_len": s.seq_len, "steps": s.steps, "batch_size": s.batch_size}
-                                         for s in cfg.pretrain]
+    assert run["config"]["pretrain"] == [{"seq_len": s.seq_len, "steps": s.steps, "batch_size": s.batch_size,
+                                          "lr": s.lr} for s in cfg.pretrain]
     assert run["histories"]["pretrain/seed0"]["loss"][-1] < run["histories"]["pretrain/seed0"]["loss"][0]
     assert run["environment"]["device"] and run["bench"] == "sparse-training-tiny"
 

@@ -8,8 +8,9 @@ passkey samples mixed in (:mod:`.passkey`):
    :class:`~treeattn_lab.reference.TinyLM` trains densely in stages of growing context, a share
    ``passkey_share`` of the windows passkey samples (the needle at a random depth, the answer at the
    end): first short enough that copying the key is learned quickly, then longer up to the pretraining
-   length. The loss is the next-byte loss plus ``answer_weight`` times the mean loss of the answer's
-   digits.
+   length, with one AdamW throughout and a learning rate that never rises from stage to stage (the
+   rules: :mod:`.sparse_training_config`). The loss is the next-byte loss plus ``answer_weight`` times
+   the mean loss of the answer's digits.
 2. **Extension**: from that one checkpoint three copies train ``steps`` steps at ``seq_len`` on identical
    batches, with
    - ``dense``: causal attention;
@@ -49,7 +50,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -120,23 +123,34 @@ def _losses(model, inputs, targets, answer, attention):
 
 
 def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps: int, batch_size: int,
-                lr: float, seed: int, desc: str, progress: bool = True) -> dict[str, list]:
+                lr: float | Callable[[int], float], seed: int, desc: str, progress: bool = True,
+                optimizer: torch.optim.Optimizer | None = None) -> dict[str, list]:
     """``steps`` AdamW steps of next-byte loss + ``cfg.answer_weight`` x answer-digit loss on passkey-mixed
     batches drawn from ``seed`` (the same batches for every model given the same seed); returns the
-    per-step history."""
+    per-step history, each step's learning rate in ``"lr"``.
+
+    ``lr``: a peak (warmup over ``min(100, steps // 10)`` steps, then cosine decay to a tenth) or the rate
+    of each step, ``lr(step)``. ``optimizer``: an AdamW over ``model`` to go on with (its moments carry
+    over from an earlier phase); by default a new one."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     train = load_corpus("train")  # batches are built on the CPU, then moved
     generator = torch.Generator().manual_seed(seed)
-    optimizer = adamw(model, lr, 0.1)
-    warmup = min(100, steps // 10)
-    history: dict[str, list] = {"loss": [], "lm_loss": [], "key_loss": [], "step_ms": []}
+    if not callable(lr):
+        peak, warmup = lr, min(100, steps // 10)
+
+        def lr(step):
+            return peak * lr_factor(step, steps, warmup, 0.1)
+    optimizer = adamw(model, lr(0), 0.1) if optimizer is None else optimizer
+    history: dict[str, list] = {"loss": [], "lm_loss": [], "key_loss": [], "step_ms": [], "lr": []}
     model.train()
     bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
     for step in bar:
+        rate = lr(step)
         for group in optimizer.param_groups:
-            group["lr"] = lr * lr_factor(step, steps, warmup, 0.1)
+            group["lr"] = rate
+        history["lr"].append(rate)
         batch = passkey_batch(train, batch_size, seq_len, generator, share=cfg.passkey_share,
                               digits=cfg.digits)
         inputs, targets, answer = (x.to(device) for x in batch)
@@ -159,13 +173,16 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
 
 def pretrain(model, cfg: ExperimentConfig, seed: int, progress: bool = True) -> dict[str, list]:
     """The dense curriculum: every stage of ``cfg.pretrain`` in order, each on its own stream of batches
-    (seed ``seed + 100_000 * stage``); one history of all their steps, with each step's context in
-    ``"seq_len"``."""
+    (seed ``seed + 100_000 * stage``), with one AdamW throughout (its moments carry from stage to stage)
+    and the learning rates of :meth:`~.sparse_training_config.ExperimentConfig.pretrain_lr`; one history
+    of all their steps, with each step's context in ``"seq_len"``."""
     history: dict[str, list] = {}
+    optimizer = adamw(model, cfg.lr, 0.1)
     for index, stage in enumerate(cfg.pretrain):
         part = train_phase(model, causal_sdpa, cfg, seq_len=stage.seq_len, steps=stage.steps,
-                           batch_size=stage.batch_size, lr=cfg.lr, seed=seed + 100_000 * index,
-                           desc=f"seed {seed}: dense at {stage.seq_len}", progress=progress)
+                           batch_size=stage.batch_size, lr=partial(cfg.pretrain_lr, index),
+                           seed=seed + 100_000 * index, desc=f"seed {seed}: dense at {stage.seq_len}",
+                           progress=progress, optimizer=optimizer)
         part["seq_len"] = [stage.seq_len] * stage.steps
         for key, values in part.items():
             history.setdefault(key, []).extend(values)
