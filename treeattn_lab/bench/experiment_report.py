@@ -39,6 +39,9 @@ def render_grpo(p: dict) -> list[str]:
     """The GRPO loop flat against the tree: per seed and loop, rewards and seconds per phase."""
     head = {k: v for k, v in p.get("headline", {}).items() if not isinstance(v, dict)}
     out = [f"Configuration: {mapping({k: v for k, v in p.get('config', {}).items() if k != 'model'})}.", ""]
+    if p.get("stopped_early"):
+        out += [f"Stopped early by `--budget-s`: GRPO steps done per seed {mapping(p.get('steps_done', {}))} "
+                f"of {p.get('config', {}).get('steps')}.", ""]
     out += render_rows(p)
     if head:
         out += [f"Over the seeds: {mapping(head)}", ""]
