@@ -119,29 +119,24 @@ class _Stderr(io.StringIO):
 
 
 def test_progress_bars_off_a_terminal_redraw_every_few_seconds(monkeypatch):
-    import tqdm.auto as tqdm_auto
+    from tqdm.notebook import tqdm_notebook
+    from tqdm.std import tqdm as text_bar
 
-    plain = tqdm_auto.tqdm
-    monkeypatch.setattr(sys, "stderr", _Stderr(tty=False))
-    with grpo_tree.log_friendly_progress(interval_s=4.0):
-        from tqdm.auto import tqdm  # as the warm-up and the step loop look it up, at call time
+    from treeattn_lab.progress import LOG_REDRAW_INTERVAL_S, progress_bar, redraws_in_place
 
-        sink = io.StringIO()
-        with tqdm(total=3, file=sink) as bar, tqdm(total=3, file=sink, mininterval=0.5) as own:
-            assert bar.mininterval == 4.0 and own.mininterval == 0.5  # a bar's own setting is kept
-            drawn = sink.getvalue()
-            for loss in range(5):  # the warm-up sets a postfix every step: it waits for the next redraw
-                bar.set_postfix(loss=loss)
-                bar.update(0)
-            assert sink.getvalue() == drawn and bar.postfix == "loss=4"
-        assert isinstance(bar, plain)
-    assert tqdm_auto.tqdm is plain
-    with pytest.raises(RuntimeError), grpo_tree.log_friendly_progress():
-        raise RuntimeError  # the bar class comes back after an error too
-    assert tqdm_auto.tqdm is plain
     monkeypatch.setattr(sys, "stderr", _Stderr(tty=True))
-    with grpo_tree.log_friendly_progress(interval_s=4.0):
-        assert tqdm_auto.tqdm is plain  # a terminal redraws in place: nothing to change
+    assert progress_bar(total=3, file=io.StringIO()).mininterval == 0.1  # a terminal: tqdm's own default
+    assert redraws_in_place(text_bar)
+    monkeypatch.setattr(sys, "stderr", _Stderr(tty=False))
+    assert redraws_in_place(tqdm_notebook) and not redraws_in_place(text_bar)  # a widget redraws in place
+    sink = io.StringIO()
+    with progress_bar(total=3, file=sink) as bar, progress_bar(total=3, file=sink, mininterval=0.5) as own:
+        assert bar.mininterval == LOG_REDRAW_INTERVAL_S and own.mininterval == 0.5  # the caller's is kept
+        drawn = sink.getvalue()
+        for loss in range(5):  # as the warm-up and the GRPO loop set their postfix: shown at the next redraw
+            bar.set_postfix(loss=loss, refresh=False)
+            bar.update(0)
+        assert sink.getvalue() == drawn and bar.postfix == "loss=4"
 
 
 @pytest.mark.parametrize("seeds", ["a", "-1", "1,1"])

@@ -215,7 +215,7 @@ def train_language_model(
     Returns ``{"step": [...], "loss": [...], "pass_losses": [[...], ...]}``: the mean training loss of
     each step over its passes, and each pass's loss.
     """
-    from tqdm.auto import tqdm
+    from .progress import progress_bar
 
     passes = [causal_sdpa] if attention is None else attention
     if callable(passes):
@@ -237,7 +237,7 @@ def train_language_model(
     data = batches(tokens, batch_size, seq_len, torch.Generator().manual_seed(seed))
     history: dict[str, list] = {"step": [], "loss": [], "pass_losses": []}
     model.train()
-    bar = tqdm(range(steps), disable=not progress, desc="train", leave=False)
+    bar = progress_bar(range(steps), disable=not progress, desc="train", leave=False)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr * lr_factor(step, steps, warmup_steps, final_lr_ratio)
@@ -255,7 +255,7 @@ def train_language_model(
         history["loss"].append(mean)
         history["pass_losses"].append(losses)
         if progress:
-            bar.set_postfix(loss=f"{mean:.3f}")
+            bar.set_postfix(loss=f"{mean:.3f}", refresh=False)  # shown at the next redraw
         if on_step is not None:
             on_step(step, mean)
     return history

@@ -40,7 +40,6 @@ of several seeds writes its result file after each seed, for the seeds done (ato
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -134,7 +133,7 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True,
     ``deadline`` (a :func:`time.perf_counter` reading): after each step, no new step starts when another
     step as long as the last one, then the final evaluation (twice the warm-up evaluation), would end
     past it."""
-    from tqdm.auto import tqdm
+    from ..progress import progress_bar
 
     task = cfg.task()
     torch.manual_seed(seed)
@@ -147,7 +146,7 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True,
     grad_rel_diff = gradient_check(model, task, cfg, seed)
     trainers = {loop: GRPO(copy.deepcopy(model), task, cfg.grpo(), mode=loop, seed=seed) for loop in LOOPS}
     steps = []
-    with tqdm(total=cfg.steps, desc=f"GRPO flat + tree, seed {seed}", disable=not progress) as bar:
+    with progress_bar(total=cfg.steps, desc=f"GRPO flat + tree, seed {seed}", disable=not progress) as bar:
         for step in range(cfg.steps):
             step_start = time.perf_counter()
             for loop in LOOPS if step % 2 == 0 else LOOPS[::-1]:
@@ -298,34 +297,6 @@ def budget_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
 
 
-@contextlib.contextmanager
-def log_friendly_progress(interval_s: float = 5.0):
-    """While stderr is not a terminal (a log file, a pipe), every ``tqdm.auto`` bar opened in the block (the
-    warm-up's, the GRPO steps') redraws at most every ``interval_s`` seconds unless it sets its own
-    ``mininterval``, and a new postfix waits for the next redraw: off a terminal tqdm cannot redraw in
-    place, so each redraw is one more line of log. On a terminal the bars are left as they are."""
-    import tqdm.auto
-
-    if sys.stderr.isatty():
-        yield
-        return
-    plain = tqdm.auto.tqdm
-
-    class LogBar(plain):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("mininterval", interval_s)
-            super().__init__(*args, **kwargs)
-
-        def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
-            super().set_postfix(ordered_dict, refresh=False, **kwargs)
-
-    tqdm.auto.tqdm = LogBar
-    try:
-        yield
-    finally:
-        tqdm.auto.tqdm = plain
-
-
 def main(argv: list[str] | None = None) -> int:
     from ..bench.harness import add_out_argument, environment, positive_int, print_table, write_results
 
@@ -364,9 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         if {k: v for k, v in result["config"].items() if k != "seeds"} != mode:
             parser.error(f"the results to merge were not run in --mode {args.mode} (with its --steps)")
     else:
-        with log_friendly_progress():
-            result = run_experiment(cfg, device=args.device, progress=not args.no_progress,
-                                    budget_s=args.budget_s, on_seed=None if args.no_save else save)
+        result = run_experiment(cfg, device=args.device, progress=not args.no_progress,
+                                budget_s=args.budget_s, on_seed=None if args.no_save else save)
     print_table(f"GRPO flat vs tree ({args.mode}, {result['device']}, {result['seconds']:.0f} s)", COLUMNS,
                 result["summary"])
     print("headline:", json.dumps(result["headline"], indent=1))

@@ -259,13 +259,14 @@ class GRPO:
 
     def train(self, steps: int, *, progress: bool = True) -> list[dict]:
         """``steps`` GRPO steps behind a progress bar; returns their records."""
-        from tqdm.auto import tqdm
+        from ..progress import progress_bar
 
-        bar = tqdm(range(check_int("steps", steps)), desc=f"GRPO ({self.mode})", disable=not progress)
+        bar = progress_bar(range(check_int("steps", steps)), desc=f"GRPO ({self.mode})", disable=not progress)
         records = []
         for _ in bar:
             records.append(self.step())
-            bar.set_postfix(reward=f"{records[-1]['reward']:.2f}", step_s=f"{records[-1]['step_s']:.2f}")
+            bar.set_postfix(reward=f"{records[-1]['reward']:.2f}", step_s=f"{records[-1]['step_s']:.2f}",
+                            refresh=False)
         return records
 
 

@@ -1,0 +1,32 @@
+"""Progress bars that read well in a terminal, a notebook and a log file alike.
+
+:func:`progress_bar` is ``tqdm.auto``'s bar (a widget in a notebook, a text bar elsewhere), except where
+the bar cannot redraw in place: a text bar on a stderr that is no terminal (a log file, a pipe, a remote
+command's captured output) turns every redraw into one more line, so there it redraws at most every
+:data:`LOG_REDRAW_INTERVAL_S` seconds unless the caller set ``mininterval``. Postfixes set with
+``refresh=False`` show at the next redraw.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["LOG_REDRAW_INTERVAL_S", "progress_bar", "redraws_in_place"]
+
+LOG_REDRAW_INTERVAL_S = 5.0
+
+
+def redraws_in_place(bar_class) -> bool:
+    """Whether bars of ``bar_class`` redraw in place here: notebook widgets do, text bars on a terminal."""
+    from tqdm.notebook import tqdm_notebook
+
+    return issubclass(bar_class, tqdm_notebook) or sys.stderr.isatty()
+
+
+def progress_bar(iterable=None, **kwargs):
+    """A ``tqdm.auto`` bar over ``iterable`` (tqdm's keyword arguments), throttled where it would log."""
+    from tqdm.auto import tqdm
+
+    if not redraws_in_place(tqdm):
+        kwargs.setdefault("mininterval", LOG_REDRAW_INTERVAL_S)
+    return tqdm(iterable, **kwargs)
