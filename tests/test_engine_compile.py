@@ -2,8 +2,9 @@
 
 The engine's per-layer attention is opaque to torch.compile (``engine/attention.py``),
 so each compiled layer is two graphs around one eager attention call, shared by every layer and every
-DFS block: gradients equal the eager flat ground truth in float64, and a step neither recompiles per
-layer nor per block.
+DFS block: gradients equal the eager flat ground truth in float64, a step neither recompiles per
+layer nor per block, no graph takes a float from the host, and a compiled step reads no more values
+back to the host than an eager one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.engine_models import (
     random_weights,
 )
 from treeattn_lab import RolloutTrie
-from treeattn_lab.engine import compile_layers, tree_backward, tree_logprobs
+from treeattn_lab.engine import MODES, compile_layers, tree_backward, tree_logprobs
 from treeattn_lab.engine.dfs import PUSH_BLOCKS, walk
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
@@ -127,6 +128,78 @@ def test_compiled_hugging_face_graphs_do_not_depend_on_the_layer():
         tree_backward(model, trie, mode="dfs", block_tokens=8)
         found[n_layers] = _graphs()
     assert found[2] == found[3] > 0
+
+
+def _block_lengths(trie, block_tokens: int, event: str) -> set[int]:
+    _, events = walk(trie.pack(), block_tokens, packed_subtrees=True, push_blocks=PUSH_BLOCKS)
+    return {b.end - b.start for e, b in events if (e == "push") == (event == "push")}
+
+
+def test_a_trie_of_new_block_lengths_compiles_nothing():
+    """Once a dfs step has run blocks of two lengths with autograd and two without, a trie whose blocks
+    all have lengths never seen before runs on the same graphs: the token count is a symbolic size."""
+    first, second = (RolloutTrie.from_sequences(_rollouts(seed)) for seed in (42, 62))
+    for event in ("push", "run"):
+        seen, new = _block_lengths(first, 8, event), _block_lengths(second, 12, event)
+        assert len(seen) >= 2 and new and not new & seen and min(new) > 1  # what the test stands on
+    model = _model(2, 42)
+    _compile_blocks(model)
+    tree_backward(model, first, mode="dfs", block_tokens=8)
+    graphs, frames = _graphs(), counters["frames"]["total"]
+    tree_backward(model, second, mode="dfs", block_tokens=12)
+    assert _graphs() == graphs, "blocks of new lengths compiled new graphs"
+    assert counters["frames"]["total"] == frames, "blocks of new lengths made dynamo compile again"
+
+
+def _recording(inputs: list):
+    """A torch.compile backend that runs each graph as traced and records the inputs it is called with."""
+
+    def backend(gm, example_inputs):
+        inputs.extend(example_inputs)
+        return gm.forward
+
+    return backend
+
+
+@pytest.mark.parametrize("make", [lambda: _model(2, 31), lambda: hf_llama(seed=31)], ids=["tinylm", "hf"])
+def test_compiled_layers_take_no_float_from_the_host(make):
+    """No graph of a compiled layer takes a float (a norm's eps) as an input: dynamo would build it into
+    a 0-d CPU tensor on every call, which inductor's GPU kernels read back with ``.item()``."""
+    model, inputs = make(), []
+    torch._dynamo.reset()
+    compile_layers(model, backend=_recording(inputs))
+    trie = RolloutTrie.from_sequences(_rollouts(31))
+    for mode in MODES:
+        tree_backward(model, trie, mode=mode, block_tokens=8)
+    assert inputs, "the layers ran compiled"
+    floats = [x for x in inputs if isinstance(x, (float, torch.SymFloat))]
+    scalars = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 0]
+    assert not floats and not scalars, f"graph inputs read from the host: {floats + scalars}"
+
+
+# what reads a tensor's value back to the host (a device sync on a GPU)
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero")
+
+
+def _host_reads(model, trie) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    tree_backward(model, trie, mode="dfs", block_tokens=8)  # compiles, if the layers are compiled
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        tree_backward(model, trie, mode="dfs", block_tokens=8)
+    model.zero_grad(set_to_none=True)
+    return sum(e.name in HOST_READS for e in prof.events())
+
+
+def test_a_compiled_dfs_step_reads_no_more_from_the_host_than_an_eager_one():
+    trie = RolloutTrie.from_sequences(_rollouts(37))
+    model = _model(2, 37)
+    eager = _host_reads(model, trie)
+    _compile_blocks(model)
+    compiled = _host_reads(model, trie)
+    assert _graphs() > 0
+    assert compiled <= eager
 
 
 def test_compile_layers_refuses_what_the_engine_cannot_run():

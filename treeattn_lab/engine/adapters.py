@@ -209,15 +209,23 @@ def decoder_layers(model) -> nn.ModuleList:
 
 
 def compile_layers(model, **compile_kwargs):
-    """Compile every decoder layer of ``model`` in place (``layer.compile(dynamic=True, ...)``) and return
-    ``model``: the way to run the engine with ``torch.compile``.
+    """Compile every decoder layer of ``model`` in place (``layer.compile(...)``) and return ``model``:
+    the way to run the engine with ``torch.compile``.
 
     The engine hands each layer its attention through an eager call (``engine/attention.py``), so every
     layer's code compiles to the same graphs (before and after its
     attention), shared by all layers and by every DFS block and micro-batch size; what adds graphs is grad
     mode (a DFS push runs without autograd) and torch's specialization of 1-token sizes. The fusion cuts
     the kernels, and the host's work per kernel, that a layer of many small calls costs. ``compile_kwargs``
-    go to ``torch.compile`` (``dynamic`` defaults to True; e.g. ``backend="aot_eager"``, ``mode=...``).
+    go to ``torch.compile`` (e.g. ``backend="aot_eager"``, ``mode=...``).
+
+    Sizes: ``dynamic`` defaults to None, torch's automatic dynamic shapes. A graph compiles first for the
+    sizes it meets; the first time a size changes (the next block's length) it compiles once more with
+    that size symbolic, and that graph serves every later length. The layers' floats (a norm's ``eps``)
+    stay constants of the graphs. ``dynamic=True`` makes every size symbolic from the first call but also
+    turns every float a layer reads into a graph input: a 0-d float64 CPU tensor that dynamo builds on
+    every call and that inductor's GPU kernels read back with ``.item()``, one host read per norm and
+    layer call.
 
     Hugging Face layers: transformers wraps a decoder layer's and its attention module's ``forward`` in
     one kwarg-deprecation wrapper whose frame dynamo compiles once per guard variant of both, so one
@@ -225,7 +233,6 @@ def compile_layers(model, **compile_kwargs):
     eagerly (still exact, slower) and torch warns. Raise ``torch._dynamo.config.recompile_limit`` (e.g. to
     32) when one HF model mixes modes.
     """
-    compile_kwargs = {"dynamic": True, **compile_kwargs}
     for layer in decoder_layers(model):
         layer.compile(**compile_kwargs)
     return model
