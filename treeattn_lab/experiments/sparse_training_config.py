@@ -148,7 +148,7 @@ class ExperimentConfig:
 # columns and only 16 estimated diagonals beyond the band, since a far diagonal costs a block diagonal of
 # tiles while a column costs one gathered bar.
 _FULL = ExperimentConfig(model=byte_lm(256, 4, 4, 4, 688, rope_theta=500000.0),
-                         pretrain=(Stage(128, 2000, 64, lr=1e-3), Stage(256, 600, 64, lr=1e-3),
+                         pretrain=(Stage(128, 3000, 64, lr=1e-3), Stage(256, 600, 64, lr=1e-3),
                                    Stage(512, 600, 32, lr=8e-4), Stage(1024, 600, 32, lr=7e-4),
                                    Stage(2048, 600, 16, lr=6e-4), Stage(4096, 600, 8, lr=5e-4),
                                    Stage(8192, 800, 8, lr=4e-4), Stage(16384, 400, 4, lr=3e-4)),
