@@ -1,7 +1,7 @@
 """The engine under a model whose layers are compiled (``engine.compile_layers``).
 
 The engine's per-layer attention is opaque to torch.compile (``engine/attention.py``),
-so each compiled layer is two graphs around one eager attention call, shared by every layer and every
+so each compiled layer is a few graphs around one eager attention call, shared by every layer and every
 DFS block: gradients equal the eager flat ground truth in float64, a step neither recompiles per
 layer nor per block, no graph takes a float from the host, and a compiled step reads no more values
 back to the host than an eager one.
@@ -76,8 +76,9 @@ def test_compiled_layers_train_exactly(mode):
 
 def test_compiled_graphs_are_shared_by_layers_and_blocks():
     """As many graphs for 2 layers as for 4, far fewer graphs than layer calls, and a second step on the
-    same trie compiles nothing. (What may add graphs: grad mode, on in a pop and off in a push, and
-    torch's 0/1 size specialization, a 1-token block: a bounded number, never one per block.)"""
+    same trie compiles nothing. (What may add graphs: grad mode, on in a pop and off in a push, the
+    first length a graph meets, compiled static before the length turns symbolic, and torch's 0/1 size
+    specialization, a 1-token block: a bounded number, never one per block.)"""
     seqs = _rollouts(7)
     trie = RolloutTrie.from_sequences(seqs)
     _, events = walk(trie.pack(), 8, packed_subtrees=True, push_blocks=PUSH_BLOCKS)

@@ -213,9 +213,11 @@ def compile_layers(model, **compile_kwargs):
     the way to run the engine with ``torch.compile``.
 
     The engine hands each layer its attention through an eager call (``engine/attention.py``), so every
-    layer's code compiles to the same graphs (before and after its
-    attention), shared by all layers and by every DFS block and micro-batch size; what adds graphs is grad
-    mode (a DFS push runs without autograd) and torch's specialization of 1-token sizes. The fusion cuts
+    layer's code compiles to the same graphs, shared by all layers and by every DFS block and micro-batch
+    size. The call splits each frame on the way to it into a graph before and one after: a TinyLM block,
+    whose attention module makes the call, runs as four (norm; projections and rotary; output projection;
+    residual and MLP). What adds graphs is grad mode (a DFS push runs without autograd), the first sizes
+    a graph meets (below) and torch's specialization of 1-token sizes. The fusion cuts
     the kernels, and the host's work per kernel, that a layer of many small calls costs. ``compile_kwargs``
     go to ``torch.compile`` (e.g. ``backend="aot_eager"``, ``mode=...``).
 
