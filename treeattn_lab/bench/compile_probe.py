@@ -1,6 +1,6 @@
 """Probe one dfs training step eager and with compiled decoder layers (``engine.compile_layers``).
 
-    python tools/compile_probe.py --set agentic [--quick] [--backend inductor] [--dynamic true]
+    python -m treeattn_lab.bench.compile_probe --set agentic [--quick] [--backend inductor] [--dynamic true]
 
 For each variant it prints one JSON line: the wall time of two steps; after each, the graphs dynamo
 compiled, its frame compilations and graph breaks; the graph inputs that are floats or 0-d tensors
