@@ -148,11 +148,13 @@ def small_model():
     return TinyLM(cfg)
 
 
-def test_profile_row_counts_ops_and_host_syncs():
+def test_profile_row_counts_ops_and_host_reads():
     model = small_model()
     trie = RolloutTrie.from_sequences(bench_train.rollout_set("agentic", shrink=256, first=6))
     row = bench_train.profile_step(model, trie, mode="dfs", block_tokens=16, token_budget=64)
-    assert row["mode"] == "dfs" and row["aten_ops"] > 0 and row["host_syncs"] >= 0
+    assert row["mode"] == "dfs" and row["aten_ops"] > 0
+    assert row["host_reads"] > 0  # the dfs walk reads block and path bounds off the pack
+    assert "device_syncs" not in row  # a CPU has no device to wait for
     assert row["wall_s"] > 0 and row["profiled_wall_s"] > 0
     assert all(p.grad is None for p in model.parameters())  # the profiled calls leave no gradient behind
 

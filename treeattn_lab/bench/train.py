@@ -62,10 +62,11 @@ def rollout_set(name: str, *, shrink: int = 1, first: int | None = None) -> list
 
 
 def profile_step(model, trie, *, mode: str, **engine) -> dict:
-    """One ``tree_backward`` under ``torch.profiler``: aten ops, host syncs (``aten::_local_scalar_dense``:
-    a tensor read back by the host; on CUDA also stream and device synchronizations) and, on CUDA, kernel
-    launches, GPU seconds (kernels, copies, memsets) and the busy share: GPU seconds / the wall time of
-    the same call run without the profiler (``wall_s``; ``profiled_wall_s`` under it)."""
+    """One ``tree_backward`` under ``torch.profiler``: aten ops; host reads (``aten::_local_scalar_dense``:
+    a tensor's value read by the host, from a CPU tensor as from a device one); on CUDA, device syncs (the
+    host waiting for a stream or the device: every read of a device tensor is one, and so is an explicit
+    synchronize), kernel launches, GPU seconds (kernels, copies, memsets) and the busy share: GPU seconds /
+    the wall time of the same call run without the profiler (``wall_s``; ``profiled_wall_s`` under it)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = next(model.parameters()).device
@@ -88,19 +89,17 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
     model.zero_grad(set_to_none=True)
     events = _profiled_events(prof)
     names = [name for name, _, _ in events]
-    syncs = sum(
-        n in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize") for n in names
-    )
     row = {
         "mode": mode,
         "wall_s": walls[-1],
         "profiled_wall_s": wall,
         "aten_ops": sum(n.startswith("aten::") for n in names),
-        "host_syncs": syncs,
+        "host_reads": sum(n == "aten::_local_scalar_dense" for n in names),
     }
     if cuda:
         busy = sum(seconds for _, on_device, seconds in events if on_device)  # kernels, copies, memsets
         row.update(
+            device_syncs=sum(n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") for n in names),
             kernel_launches=sum(
                 n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
                 for n in names
@@ -354,7 +353,8 @@ PROFILE_COLUMNS = [
     ("busy_share", "busy"),
     ("kernel_launches", "launches"),
     ("aten_ops", "aten ops"),
-    ("host_syncs", "host syncs"),
+    ("host_reads", "host reads"),
+    ("device_syncs", "device syncs"),
 ]
 
 
