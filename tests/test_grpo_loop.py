@@ -74,6 +74,43 @@ def test_same_seed_same_first_batch_and_records():
     assert steps[0].latency_ms == pytest.approx(1e3 * records["flat"][0]["step_s"])
 
 
+@pytest.mark.parametrize("tree_mode", ["packed", "dfs"])
+def test_each_batch_is_packed_once_and_every_pass_reuses_it(tree_mode, monkeypatch):
+    """The old-policy, reference and every PPO epoch's pass read one pack (and one loss plan, one set of
+    micro-batches) per batch: nothing of the trie's layout is rebuilt per pass."""
+    from treeattn_lab.engine import loss_plan, microbatch
+    from treeattn_lab.pack import TreePack
+
+    counts = {"pack": 0, "cut": 0, "plan": 0}
+    packs_read = set()
+
+    def counting(name, build):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return build(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(TreePack, "from_trie", classmethod(counting("pack", TreePack.from_trie.__func__)))
+    monkeypatch.setattr(microbatch, "_cut", counting("cut", microbatch._cut))
+    build_plan = loss_plan.LossPlan._build.__func__
+    monkeypatch.setattr(loss_plan.LossPlan, "_build", classmethod(counting("plan", build_plan)))
+    from_pack = loss_plan.LossPlan.from_pack.__func__
+
+    def reading(cls, pack, token_weights=None):
+        packs_read.add(id(pack))
+        return from_pack(cls, pack, token_weights)
+
+    monkeypatch.setattr(loss_plan.LossPlan, "from_pack", classmethod(reading))
+    config = GRPOConfig(prompts_per_step=2, group_size=4, forks=(2,), beta=0.04, ppo_epochs=3,
+                        tree_mode=tree_mode)
+    trainer = GRPO(small_model(), AdditionTask(digits=1, shots=2, turns=2), config, mode="tree", seed=0)
+    for step in range(2):
+        trainer.step()
+        # one batch: 2 log-prob passes (old policy, reference) and 3 epochs, all on one pack and plan
+        assert counts == {"pack": step + 1, "cut": step + 1, "plan": step + 1}, counts
+        assert len(packs_read) == step + 1
+
+
 class FirstTokenTask(AdditionTask):
     """Reward 1 when the answer starts with a 5: a policy-gradient signal a tiny model picks up fast."""
 

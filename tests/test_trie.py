@@ -506,3 +506,25 @@ def test_from_padded_refuses_bad_batches(ids, mask, pad_id, error, match):
     mask = None if mask is None else torch.tensor(mask)
     with pytest.raises(error, match=match):
         RolloutTrie.from_padded(ids, mask, pad_id=pad_id)
+
+
+@given(rollout_forests(), orders)
+def test_pack_on_is_the_pack_built_once_and_shared(seqs, order):
+    trie = RolloutTrie.from_sequences(seqs)
+    shared = trie.pack_on("cpu", order)
+    assert_packs_equal(shared, trie.pack(order))
+    assert trie.pack_on(torch.device("cpu"), order) is shared  # the same pack, with what is cached on it
+    assert trie.pack() is not trie.pack()  # pack() still builds a fresh one each call
+    meta = trie.pack_on("meta", order)
+    assert meta.device.type == "meta" and trie.pack_on("meta", order) is meta
+    calls = []
+    assert trie.cached("k", lambda: calls.append(1) or len(calls)) == 1
+    assert trie.cached("k", lambda: calls.append(1) or len(calls)) == 1 and calls == [1]
+    assert trie == RolloutTrie.from_sequences(seqs)  # the cache is no part of the trie's value
+
+
+def test_pack_on_refuses_an_unknown_order_and_caches_nothing():
+    trie = RolloutTrie.from_sequences([[1, 2], [1, 3]])
+    with pytest.raises(ValueError, match="order must be"):
+        trie.pack_on("cpu", "depth")
+    assert trie._cache == {}

@@ -62,10 +62,12 @@ def _token_ids(seq, what: str) -> list[int]:
         tokens = seq.detach().cpu().tolist()
     elif isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
         raise TypeError(f"{what} is a {type(seq).__name__}; expected a list of ints or a 1-D integer tensor")
+    elif isinstance(seq, list) and all(type(t) is int for t in seq):  # plain ints: nothing to convert
+        tokens = list(seq)
     else:
         tokens = [_integer(t, f"{what} holds", "token ids") for t in seq]
-    bad = next((t for t in tokens if not 0 <= t < 2**63), None)
-    if bad is not None:
+    if tokens and not (min(tokens) >= 0 and max(tokens) < 2**63):
+        bad = next(t for t in tokens if not 0 <= t < 2**63)
         raise ValueError(f"{what} holds the token id {bad}; ids must lie in [0, 2**63) (int64)")
     return tokens
 
@@ -95,12 +97,16 @@ class RolloutTrie:
         nodes: ``nodes[0]`` is the empty root; the others each hold a run of tokens.
         seq_end_node: ``seq_end_node[i]`` is the node whose last token is sequence i's last token.
         seq_lengths: token count of each sequence.
+
+    A trie is not changed once built: what is derived from it for many passes over the same rollouts
+    (:meth:`pack_on`, :meth:`cached`) is computed once per trie and kept on it.
     """
 
     def __init__(self, nodes: list[TrieNode], seq_end_node: list[int]):
         self.nodes = nodes
         self.seq_end_node = seq_end_node
         self.seq_lengths = [nodes[n].end_depth for n in seq_end_node]
+        self._cache: dict = {}
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -245,8 +251,26 @@ class RolloutTrie:
 
     # ------------------------------------------------------------------ conversions
     def pack(self, order: str = "insertion") -> TreePack:
-        """Pack the trie in DFS preorder: every tree token stored once (see :class:`TreePack`)."""
+        """Pack the trie in DFS preorder: every tree token stored once (see :class:`TreePack`); a new pack
+        each call (:meth:`pack_on` shares one)."""
         return TreePack.from_trie(self, order=order)
+
+    def pack_on(self, device, order: str = "insertion") -> TreePack:
+        """The trie's pack (:meth:`pack`) on ``device``, built and moved once per trie, order and device,
+        and shared by every caller together with what they cache on it (the attention backend's decision,
+        tile schedules, loss plans): the passes of one batch reuse it. Treat it as read-only."""
+        device = torch.device(device)
+        cpu_pack = self.cached(("pack", order), lambda: self.pack(order))
+        if device.type == "cpu":
+            return cpu_pack
+        return self.cached(("pack", order, str(device)), lambda: cpu_pack.to(device))
+
+    def cached(self, key, build):
+        """``build()``, computed on the first call for ``key`` and returned again by later ones (the class
+        docstring): readers keep what they derive from the trie here, keyed by what it depends on."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def to_networkx(self, preview_tokens: int = 8) -> networkx.DiGraph:
         """A ``networkx.DiGraph`` with one vertex per node (root included) and parent -> child edges.

@@ -72,7 +72,7 @@ class MicroBatchShape:
         """Read the shape off the same plans the modes execute (padded batches, DFS blocks and events)."""
         lengths = trie.seq_lengths
         padded = [(len(c), lengths[c[0]]) for c in flat_chunks(lengths, token_budget)]  # (rows, longest)
-        pack = trie.pack()
+        pack = trie.pack_on("cpu")
         _, events = walk(pack, block_tokens, packed_subtrees=True, push_blocks=PUSH_BLOCKS)
         pushed = [b for e, b in events if e == "push"]
         return cls(

@@ -42,7 +42,7 @@ def _flat(adapter, micro_batch, token_budget, entropy):
 
 
 def _tree(adapter, micro_batch, mode, block_tokens, backend, entropy):
-    pack = micro_batch.trie.pack().to(adapter.device)
+    pack = micro_batch.trie.pack_on(adapter.device)
     plan = LossPlan.from_pack(pack)
     if mode == "dfs":
         out = dfs_logprobs(adapter, pack, plan, block_tokens, entropy=entropy)

@@ -44,7 +44,16 @@ class LossPlan:
 
     @classmethod
     def from_pack(cls, pack, token_weights=None) -> LossPlan:
-        """Entries of ``pack`` (on the CPU) for weights ``token_weights[i] [len_i]`` (None: all ones)."""
+        """Entries of ``pack`` (on the CPU) for weights ``token_weights[i] [len_i]`` (None: all ones; that
+        plan depends on the pack alone, so it is built once per pack and cached on it)."""
+        if token_weights is None:
+            if "loss_plan" not in pack._cache:
+                pack._cache["loss_plan"] = cls._build(pack, None)
+            return pack._cache["loss_plan"]
+        return cls._build(pack, token_weights)
+
+    @classmethod
+    def _build(cls, pack, token_weights) -> LossPlan:
         ids = pack.input_ids.cpu()
         vocab = int(ids.max()) + 1
         sources, targets, weights, offsets = [], [], [], [0]

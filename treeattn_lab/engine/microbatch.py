@@ -136,18 +136,24 @@ def plan_micro_batches(
         raise TypeError(f"trie must be a RolloutTrie, got {type(trie).__name__}")
     check_int("token_budget", token_budget, allow_none=True)
     check_planning_mode(mode)
+    calibrated = getattr(cost_model, "calibrated", False) is True
+    if token_budget is None or not calibrated or mode == "flat":
+        # the greedy cuts depend on the trie and the budget alone: cut once per trie, shared by every pass
+        return list(trie.cached(("micro_batches", token_budget), lambda: _cut(trie, token_budget, None)))
+    plan_mode = "packed" if mode == "auto" else mode
+    return _cut(trie, token_budget, lambda t, p: cost_model.planning_seconds(plan_mode, t, p))
+
+
+def _cut(trie: RolloutTrie, token_budget: int | None, seconds) -> list[MicroBatch]:
+    """The micro-batches of the greedy fill (``seconds`` None) or of the cheapest cuts under ``seconds``."""
     order = dfs_sequence_order(trie)
     seqs = [trie.sequence(i) for i in order]
     lengths = [len(s) for s in seqs]
     shared = [0] + [_common_prefix(a, b) for a, b in pairwise(seqs)]
-    calibrated = getattr(cost_model, "calibrated", False) is True
-    if token_budget is None or not calibrated or mode == "flat":
+    if seconds is None:
         starts = _greedy_starts(lengths, shared, token_budget)
     else:
-        plan_mode = "packed" if mode == "auto" else mode
-        starts = _cheapest_starts(
-            lengths, shared, token_budget, lambda t, p: cost_model.planning_seconds(plan_mode, t, p)
-        )
+        starts = _cheapest_starts(lengths, shared, token_budget, seconds)
     bounds = starts + [len(order)]
     return [
         MicroBatch(tuple(order[a:b]), RolloutTrie.from_sequences(seqs[a:b]), shared[a])

@@ -99,7 +99,7 @@ def run_flat(adapter, micro_batch, weights, *, token_budget: int | None) -> dict
 
 
 def run_packed(adapter, micro_batch, weights, *, backend: str = "auto") -> dict:
-    pack = micro_batch.trie.pack().to(adapter.device)
+    pack = micro_batch.trie.pack_on(adapter.device)
     plan = LossPlan.from_pack(pack, weights)
     entry_logp, _ = packed_token_logprobs(adapter, pack, plan, backend=backend)
     loss = -(plan.device_copy("weight", entry_logp.device).to(entry_logp.dtype) * entry_logp).sum()
@@ -115,7 +115,7 @@ def run_packed(adapter, micro_batch, weights, *, backend: str = "auto") -> dict:
 
 
 def run_dfs_mode(adapter, micro_batch, weights, *, block_tokens: int) -> dict:
-    pack = micro_batch.trie.pack().to(adapter.device)
+    pack = micro_batch.trie.pack_on(adapter.device)
     plan = LossPlan.from_pack(pack, weights)
     out = run_dfs(adapter, pack, plan, block_tokens, packed_subtrees=True)
     entry_logp = out.pop("entry_logp")

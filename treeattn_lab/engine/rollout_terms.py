@@ -175,7 +175,7 @@ def _micro_batch(adapter, objective, mb, mode, *, block_tokens, token_budget, ba
             for j, lp in zip(chunk, chunk_logps, strict=True):
                 logps[j] = lp.detach()
         return logps, value, 0
-    pack = mb.trie.pack().to(adapter.device)
+    pack = mb.trie.pack_on(adapter.device)
     plan = LossPlan.from_pack(pack)
     if mode == "packed":
         entry_logp, _ = packed_token_logprobs(adapter, pack, plan, backend=backend)

@@ -171,7 +171,7 @@ def _fused_pass(plan: CallPlan, objective, logps, phase, *, backend) -> float:
         mb_logps, _ = flat_token_logprobs(adapter, mb.trie.sequences())
         tokens = mb.flat_tokens
     else:
-        pack = mb.trie.pack().to(adapter.device)
+        pack = mb.trie.pack_on(adapter.device)
         loss_plan = LossPlan.from_pack(pack)
         entry_logp, _ = packed_token_logprobs(adapter, pack, loss_plan, backend=backend)
         mb_logps = loss_plan.sequence_values(entry_logp)
