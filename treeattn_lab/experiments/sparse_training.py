@@ -132,7 +132,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
     ``lr``: a peak (warmup over ``min(100, steps // 10)`` steps, then cosine decay to a tenth) or the rate
     of each step, ``lr(step)``. ``optimizer``: an AdamW over ``model`` to go on with (its moments carry
     over from an earlier phase); by default a new one."""
-    from tqdm.auto import tqdm
+    from ..progress import progress_bar
 
     device = next(model.parameters()).device
     train = load_corpus("train")  # batches are built on the CPU, then moved
@@ -145,7 +145,7 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
     optimizer = adamw(model, lr(0), 0.1) if optimizer is None else optimizer
     history: dict[str, list] = {"loss": [], "lm_loss": [], "key_loss": [], "step_ms": [], "lr": []}
     model.train()
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    bar = progress_bar(range(steps), desc=desc, disable=not progress, leave=False)
     for step in bar:
         rate = lr(step)
         for group in optimizer.param_groups:
@@ -167,7 +167,8 @@ def train_phase(model, attention, cfg: ExperimentConfig, *, seq_len: int, steps:
         history["step_ms"].append((time.perf_counter() - start) * 1e3)
         for key, value in (("loss", loss), ("lm_loss", lm_loss), ("key_loss", key_loss)):
             history[key].append(float(value.detach()))
-        bar.set_postfix(lm=f"{history['lm_loss'][-1]:.3f}", key=f"{history['key_loss'][-1]:.2f}")
+        bar.set_postfix(lm=f"{history['lm_loss'][-1]:.3f}", key=f"{history['key_loss'][-1]:.2f}",
+                        refresh=False)
     return history
 
 
