@@ -277,16 +277,25 @@ class GRPOObjective:
         for i, lp in zip(rollouts, logps, strict=True):
             self._check(i, lp)
         logp = torch.cat(list(logps))
-        on = self._on(logp.device, logp.dtype)
-        if list(rollouts) == list(range(len(self.lengths))):
-            values = on["flat"]
-        else:
-            values = {
-                k: None if v is None else torch.cat([v[i] for i in rollouts]) for k, v in on["split"].items()
-            }
-        lengths = torch.tensor([self.lengths[i] for i in rollouts], dtype=torch.int64)
-        owner = torch.repeat_interleave(torch.arange(len(rollouts)), lengths).to(logp.device)
+        values, owner = self._gathered(tuple(rollouts), logp.device, logp.dtype)
         return self._loss(logp, values, owner, len(rollouts))
+
+    def _gathered(self, rollouts: tuple[int, ...], device, dtype):
+        """``(values, owner)`` of ``rollouts``: the per-token fields of :meth:`_on`, those rollouts'
+        tokens in that order, and each token's place in ``rollouts``; made once per rollout tuple (every
+        PPO epoch scores the same micro-batches)."""
+        key = ("gathered", rollouts, str(device), dtype)
+        if key not in self._cache:
+            on = self._on(device, dtype)
+            if list(rollouts) == list(range(len(self.lengths))):
+                values = on["flat"]
+            else:
+                split = on["split"].items()
+                values = {k: None if v is None else torch.cat([v[i] for i in rollouts]) for k, v in split}
+            lengths = torch.tensor([self.lengths[i] for i in rollouts], dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(len(rollouts)), lengths).to(device)
+            self._cache[key] = (values, owner)
+        return self._cache[key]
 
     @torch.no_grad()
     def metrics(self, logps: Sequence[torch.Tensor]) -> dict[str, float]:
