@@ -48,7 +48,7 @@ def test_auto_picks_flat_at_low_sharing_then_fa4_in_half_precision_where_it_runs
     pack = small_pack()
     monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: torch.device(device).type == "cuda")
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
-    monkeypatch.setattr(tree_ops, "flat_pair_ratio", lambda pack: tree_ops.FA4_BACKWARD_ABOVE_PAIR_RATIO)
+    monkeypatch.setattr(tree_ops, "flat_pair_ratio", lambda pack: tree_ops.FA4_FROM_PAIR_RATIO)
     pick = lambda device, dtype, d=128: tree_ops.choose_tree_backend("auto", pack, device, dtype, d)
     assert pick("cuda", torch.bfloat16) == "fa4"
     assert pick("cuda", torch.float16, 64) == "fa4"
@@ -63,39 +63,22 @@ def test_auto_picks_flat_at_low_sharing_then_fa4_in_half_precision_where_it_runs
     assert pick("cuda", torch.bfloat16) == "triton"
 
 
-def test_auto_differentiates_through_fa4_only_on_packs_that_share_enough(monkeypatch):
+def test_auto_runs_fa4_only_on_packs_that_share_enough_whatever_the_grad_mode(monkeypatch):
     pack = small_pack()
     monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: True)
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
-    threshold = tree_ops.FA4_BACKWARD_ABOVE_PAIR_RATIO
 
-    def pick(ratio, backward):
+    def pick(ratio):
         monkeypatch.setattr(tree_ops, "flat_pair_ratio", lambda pack: ratio)
-        return tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128, backward=backward)
+        return tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128)
 
-    assert pick(threshold, backward=True) == "fa4"
-    assert pick(threshold - 0.01, backward=True) == "triton"  # FA4's backward loses on such packs
-    assert pick(threshold - 0.01, backward=False) == "fa4"  # its forward still wins
+    assert pick(tree_ops.FA4_FROM_PAIR_RATIO) == "fa4"
+    assert pick(tree_ops.FA4_FROM_PAIR_RATIO - 0.01) == "triton"  # FA4's backward loses on such packs
+    with torch.no_grad():  # a log-prob pass runs what the training pass over the same pack runs
+        assert pick(tree_ops.FA4_FROM_PAIR_RATIO - 0.01) == "triton"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # no cached ratio while tracing
     monkeypatch.setattr(tree_ops, "flat_pair_ratio", lambda pack: pytest.fail("read the pack while tracing"))
     assert tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128) == "fa4"
-
-
-def test_tree_attention_tells_auto_whether_the_call_is_differentiated(monkeypatch):
-    pack = small_pack()
-    seen = []
-
-    def spy(backend, pack, device, dtype, head_dim, *, backward):
-        seen.append(backward)
-        return "reference"
-
-    monkeypatch.setattr(tree_ops, "choose_tree_backend", spy)
-    q = torch.randn(pack.num_tokens, 2, 16)
-    tree_attention(q, q, q, pack)
-    tree_attention(q.requires_grad_(), q, q, pack)
-    with torch.no_grad():
-        tree_attention(q, q, q, pack)
-    assert seen == [False, True, False]
 
 
 def test_while_tracing_auto_uses_only_a_cached_flat_decision(monkeypatch):
@@ -138,9 +121,8 @@ def test_fa4_equals_the_reference_forward_and_backward(dtype, heads, seed):
 def test_auto_runs_fa4_and_packs_of_other_sizes_reuse_it():
     for extra in (0, 129, 1000):
         pack = RolloutTrie.from_sequences(SEQS + [[4] * (extra + 1)]).pack().to("cuda")
-        # a forward-only call (these inputs need no gradient) runs FA4 whatever the pack shares
-        assert tree_ops.choose_tree_backend("auto", pack, pack.device, torch.bfloat16, 128,
-                                            backward=False) == "fa4"
+        pack._cache["flat_pair_ratio"] = tree_ops.FA4_FROM_PAIR_RATIO  # a pack that shares enough for FA4
+        assert tree_ops.choose_tree_backend("auto", pack, pack.device, torch.bfloat16, 128) == "fa4"
         inputs = tree_backend_inputs(pack, (4, 4, 128), extra, torch.float32)
         q, k, v = (x.cuda().bfloat16() for x in inputs[:3])
         ref = reference.tree_attention(q.double(), k.double(), v.double(), pack.subtree_end)

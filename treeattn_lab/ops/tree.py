@@ -15,9 +15,9 @@ Backends:
 - ``"auto"``: on CUDA for fp16 / bf16 inputs, flat when the pack shares little (attended pairs flat / tree
   below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once per pack and cached on it; while
   ``torch.compile`` traces, only a cached decision counts, since deciding reads the pack on the host), else
-  fa4 where it runs, except for a call that will be differentiated on a pack sharing less than
-  :data:`FA4_BACKWARD_ABOVE_PAIR_RATIO` (there the Triton kernel's backward is faster), else triton, else
-  flex; triton for other dtypes on CUDA; reference on the CPU.
+  fa4 where it runs on a pack sharing at least :data:`FA4_FROM_PAIR_RATIO` (below it the Triton kernel's
+  backward is faster; the choice is per pack, so every pass over one pack runs the same kernel), else
+  triton, else flex; triton for other dtypes on CUDA; reference on the CPU.
 """
 
 from __future__ import annotations
@@ -31,34 +31,34 @@ from .flat_tree import flat_pair_ratio, flat_tree_attention, prefers_flat
 from .validation import check_qkv, check_scale
 from .varlen_tree import varlen_tree_attention
 
-__all__ = ["FA4_BACKWARD_ABOVE_PAIR_RATIO", "available_backends", "choose_backend", "choose_tree_backend",
+__all__ = ["FA4_FROM_PAIR_RATIO", "available_backends", "choose_backend", "choose_tree_backend",
            "tree_attention"]
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where SDPA runs FlashAttention on CUDA
 
-# ``backend="auto"`` differentiates a pack through FA4 only when its flat / tree pair ratio
+# ``backend="auto"`` runs a pack through FA4 only when its flat / tree pair ratio
 # (:func:`~.flat_tree.flat_pair_ratio`) is at least this: on packs of many short rollouts FA4's forward
 # still wins but its backward loses to the Triton kernel's (the "fa4" and "triton" rows of ``bench tree``
 # in bench/results/tree__NVIDIA-H200__torch-2.11.0-cu130__triton-3.6.0.json, forward and fwd+bwd).
-FA4_BACKWARD_ABOVE_PAIR_RATIO = 1.5
+# The choice is the pack's, not the call's: the log-prob passes, the training pass and a checkpoint's
+# recompute over one pack run the same kernel, so a PPO ratio starts at exactly 1.
+FA4_FROM_PAIR_RATIO = 1.5
 
 
-def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype, head_dim: int, *,
-                        backward: bool = True) -> str:
-    """The backend ``tree_attention`` runs for ``backend`` on ``device``; ``backward``: whether the call
-    will be differentiated. ``"auto"`` on CUDA in half precision runs a pack that shares little flat,
-    where SDPA is FlashAttention (:func:`treeattn_lab.ops.flat_tree.prefers_flat`, cached per pack; while
-    ``torch.compile`` traces, only a decision already cached by an eager call counts), else
-    FlashAttention-4 where it is available and takes ``head_dim`` (for a differentiated call, on a pack
-    whose pair ratio reaches :data:`FA4_BACKWARD_ABOVE_PAIR_RATIO`, or whose ratio is not cached while
-    tracing), else the Triton kernel."""
+def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype, head_dim: int) -> str:
+    """The backend ``tree_attention`` runs for ``backend`` on ``device``. ``"auto"`` on CUDA in half
+    precision runs a pack that shares little flat, where SDPA is FlashAttention
+    (:func:`treeattn_lab.ops.flat_tree.prefers_flat`), else FlashAttention-4 where it is available, takes
+    ``head_dim`` and the pack shares at least :data:`FA4_FROM_PAIR_RATIO`, else the Triton kernel. Both
+    decisions read the pack's cached pair ratio; while ``torch.compile`` traces, only a ratio already
+    cached by an eager call counts (without it: no flat fallback, and FA4 where it runs)."""
     half_on_gpu = backend == "auto" and torch.device(device).type == "cuda" and dtype in FLASH_DTYPES
     decided = not torch.compiler.is_compiling() or "flat_pair_ratio" in pack._cache
     if half_on_gpu and decided and prefers_flat(pack):
         return choose_backend(backend, device, low_sharing=True)
     if half_on_gpu and fa4_takes(device, dtype, head_dim) and (
-            not (backward and decided) or flat_pair_ratio(pack) >= FA4_BACKWARD_ABOVE_PAIR_RATIO):
+            not decided or flat_pair_ratio(pack) >= FA4_FROM_PAIR_RATIO):
         return "fa4"
     return choose_backend(backend, device)
 
@@ -78,8 +78,7 @@ def tree_attention(q, k, v, pack, *, scale: float | None = None, backend: str = 
         raise TypeError(f"pack must be a TreePack (from trie.pack()), got {type(pack).__name__}")
     check_qkv(q, k, v, num_tokens=pack.num_tokens, device=pack.device)
     check_scale(scale)
-    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    name = choose_tree_backend(backend, pack, q.device, q.dtype, q.shape[-1], backward=backward)
+    name = choose_tree_backend(backend, pack, q.device, q.dtype, q.shape[-1])
     if name == "reference":
         return reference.tree_attention(q, k, v, pack.subtree_end, scale=scale)
     if name == "flex":
