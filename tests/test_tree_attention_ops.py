@@ -93,6 +93,14 @@ def test_available_backends():
     assert set(names) <= {"reference", "flex", "triton", "flat", "varlen"}
 
 
+def test_module_presence_is_a_constant_torch_compile_reads_once():
+    from treeattn_lab.ops.backends import module_found
+
+    assert module_found("triton") and not module_found("no_such_package.sub.module")
+    listed = torch.compile(lambda x: (x, available_backends(x.device)), fullgraph=True, backend="eager")
+    assert listed(torch.zeros(2))[1] == available_backends("cpu")
+
+
 def test_unknown_backend():
     pack = RolloutTrie.from_sequences([[1, 2, 3]]).pack()
     q = k = v = torch.randn(3, 2, 4)

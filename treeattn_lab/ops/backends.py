@@ -36,8 +36,11 @@ OPTIONAL_NEEDS = {"fa4": FA4_NEEDS}
 @torch.compiler.assume_constant_result  # a fact of the install: torch.compile reads it once, as a constant
 def module_found(name: str) -> bool:
     """Whether module ``name`` can be imported here (``importlib.util.find_spec``, which torch.compile does
-    not trace)."""
-    return importlib.util.find_spec(name) is not None
+    not trace); False too when a package above it is missing."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
