@@ -178,31 +178,6 @@ def test_compiled_layers_take_no_float_from_the_host(make):
     assert not floats and not scalars, f"graph inputs read from the host: {floats + scalars}"
 
 
-# what reads a tensor's value back to the host (a device sync on a GPU)
-HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero")
-
-
-def _host_reads(model, trie) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    tree_backward(model, trie, mode="dfs", block_tokens=8)  # compiles, if the layers are compiled
-    model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        tree_backward(model, trie, mode="dfs", block_tokens=8)
-    model.zero_grad(set_to_none=True)
-    return sum(e.name in HOST_READS for e in prof.events())
-
-
-def test_a_compiled_dfs_step_reads_no_more_from_the_host_than_an_eager_one():
-    trie = RolloutTrie.from_sequences(_rollouts(37))
-    model = _model(2, 37)
-    eager = _host_reads(model, trie)
-    _compile_blocks(model)
-    compiled = _host_reads(model, trie)
-    assert _graphs() > 0
-    assert compiled <= eager
-
-
 def test_compile_layers_refuses_what_the_engine_cannot_run():
     with pytest.raises(TypeError, match="TinyLM or a Hugging Face causal LM"):
         compile_layers(torch.nn.Linear(2, 2))

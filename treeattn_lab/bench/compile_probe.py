@@ -23,20 +23,17 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 from treeattn_lab.bench.harness import synchronize
-from treeattn_lab.bench.train import SETS, _profiled_events, bench_trie, run_setup
+from treeattn_lab.bench.train import (
+    DEVICE_SYNC_CALLS,
+    HOST_READ_OPS,
+    KERNEL_LAUNCH_CALLS,
+    SETS,
+    bench_trie,
+    profiled_events,
+    run_setup,
+)
 from treeattn_lab.engine import compile_layers, tree_backward
 from treeattn_lab.reference import TinyLM
-
-HOST_READS = (
-    "aten::item",
-    "aten::_local_scalar_dense",
-    "aten::nonzero",
-    "aten::is_nonzero",
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-)
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
 def recording(backend: str, host_inputs: list):
@@ -79,11 +76,12 @@ def profiled_counts(model, trie, engine) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         timed_step(model, trie, engine)
-    names = collections.Counter(name for name, _, _ in _profiled_events(prof))
+    names = collections.Counter(name for name, _, _ in profiled_events(prof))
     out = {"aten_ops": sum(n for name, n in names.items() if name.startswith("aten::"))}
+    out["host_reads"] = {name: names[name] for name in HOST_READ_OPS if names[name]}
     if cuda:
-        out["kernel_launches"] = sum(names[name] for name in LAUNCHES)
-    out["host_reads"] = {name: names[name] for name in HOST_READS if names[name]}
+        out["kernel_launches"] = sum(names[name] for name in KERNEL_LAUNCH_CALLS)
+        out["device_syncs"] = {name: names[name] for name in DEVICE_SYNC_CALLS if names[name]}
     return out
 
 

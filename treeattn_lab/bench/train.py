@@ -61,12 +61,21 @@ def rollout_set(name: str, *, shrink: int = 1, first: int | None = None) -> list
     return seqs
 
 
+# Profiled events that read a tensor's value on the host: a scalar's value (``.item()``, ``bool()``,
+# ``float()``, ``.tolist()`` of one element) and nonzero's output size. Copies of whole tensors to the host
+# (``.cpu()``, ``.tolist()``) show as copies, not here.
+HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+# CUDA runtime calls in which the host waits for the GPU.
+DEVICE_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
 def profile_step(model, trie, *, mode: str, **engine) -> dict:
-    """One ``tree_backward`` under ``torch.profiler``: aten ops; host reads (``aten::_local_scalar_dense``:
-    a tensor's value read by the host, from a CPU tensor as from a device one); on CUDA, device syncs (the
-    host waiting for a stream or the device: every read of a device tensor is one, and so is an explicit
-    synchronize), kernel launches, GPU seconds (kernels, copies, memsets) and the busy share: GPU seconds /
-    the wall time of the same call run without the profiler (``wall_s``; ``profiled_wall_s`` under it)."""
+    """One ``tree_backward`` under ``torch.profiler``: aten ops; host reads (:data:`HOST_READ_OPS`, from a
+    CPU tensor as from a device one); on CUDA, device syncs (:data:`DEVICE_SYNC_CALLS`: every host read
+    of a device tensor is one, and so is an explicit synchronize), kernel launches, GPU seconds (kernels,
+    copies, memsets) and the busy share: GPU seconds / the wall time of the same call run without the
+    profiler (``wall_s``; ``profiled_wall_s`` under it)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = next(model.parameters()).device
@@ -87,23 +96,20 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
         synchronize(device)
         wall = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    events = _profiled_events(prof)
+    events = profiled_events(prof)
     names = [name for name, _, _ in events]
     row = {
         "mode": mode,
         "wall_s": walls[-1],
         "profiled_wall_s": wall,
         "aten_ops": sum(n.startswith("aten::") for n in names),
-        "host_reads": sum(n == "aten::_local_scalar_dense" for n in names),
+        "host_reads": sum(n in HOST_READ_OPS for n in names),
     }
     if cuda:
         busy = sum(seconds for _, on_device, seconds in events if on_device)  # kernels, copies, memsets
         row.update(
-            device_syncs=sum(n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") for n in names),
-            kernel_launches=sum(
-                n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-                for n in names
-            ),
+            device_syncs=sum(n in DEVICE_SYNC_CALLS for n in names),
+            kernel_launches=sum(n in KERNEL_LAUNCH_CALLS for n in names),
             kernel_s=busy,
             busy_share=busy / walls[-1],
             idle_share=1 - busy / walls[-1],
@@ -117,7 +123,7 @@ def _annotation(event) -> bool:
     return bool(flag()) if callable(flag) else False
 
 
-def _profiled_events(prof) -> list[tuple[str, bool, float]]:
+def profiled_events(prof) -> list[tuple[str, bool, float]]:
     """``(name, on the device, seconds)`` of every profiled event, read from the raw trace (building
     the profiler's event tree for a few hundred thousand launches would take longer than the step)."""
     try:
