@@ -125,18 +125,27 @@ def test_progress_bars_off_a_terminal_redraw_every_few_seconds(monkeypatch):
     from treeattn_lab.progress import LOG_REDRAW_INTERVAL_S, progress_bar, redraws_in_place
 
     monkeypatch.setattr(sys, "stderr", _Stderr(tty=True))
-    assert progress_bar(total=3, file=io.StringIO()).mininterval == 0.1  # a terminal: tqdm's own default
-    assert redraws_in_place(text_bar)
+    assert progress_bar(total=3, file=_Stderr(tty=True)).mininterval == 0.1  # a terminal: tqdm's default
+    assert not redraws_in_place(text_bar, io.StringIO())  # a bar's own file decides, not stderr
     monkeypatch.setattr(sys, "stderr", _Stderr(tty=False))
-    assert redraws_in_place(tqdm_notebook) and not redraws_in_place(text_bar)  # a widget redraws in place
-    sink = io.StringIO()
-    with progress_bar(total=3, file=sink) as bar, progress_bar(total=3, file=sink, mininterval=0.5) as own:
-        assert bar.mininterval == LOG_REDRAW_INTERVAL_S and own.mininterval == 0.5  # the caller's is kept
-        drawn = sink.getvalue()
-        for loss in range(5):  # as the warm-up and the GRPO loop set their postfix: shown at the next redraw
-            bar.set_postfix(loss=loss, refresh=False)
-            bar.update(0)
-        assert sink.getvalue() == drawn and bar.postfix == "loss=4"
+    assert not redraws_in_place(text_bar) and redraws_in_place(tqdm_notebook)
+    sink = _Stderr(tty=False)
+    bar = progress_bar(total=10, file=sink)
+    own = progress_bar(total=3, file=sink, mininterval=0.5)
+    assert bar.mininterval == LOG_REDRAW_INTERVAL_S and own.mininterval == 0.5  # the caller's is kept
+    clock = [bar.last_print_t]  # a fake clock from the bar's last redraw on
+    bar._time = lambda: clock[0]
+    drawn = sink.getvalue()
+    for loss in range(4):  # a second per step: past tqdm's default 0.1 s, within the 5 s of a log
+        clock[0] += 1.0
+        bar.set_postfix(loss=loss, refresh=False)
+        bar.update(1)
+    assert sink.getvalue() == drawn  # no redraw yet, and the postfixes waited
+    clock[0] += LOG_REDRAW_INTERVAL_S
+    bar.update(1)
+    assert sink.getvalue() != drawn and "loss=3" in sink.getvalue()
+    bar.close()
+    own.close()
 
 
 @pytest.mark.parametrize("seeds", ["a", "-1", "1,1"])

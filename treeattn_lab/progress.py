@@ -16,17 +16,19 @@ __all__ = ["LOG_REDRAW_INTERVAL_S", "progress_bar", "redraws_in_place"]
 LOG_REDRAW_INTERVAL_S = 5.0
 
 
-def redraws_in_place(bar_class) -> bool:
-    """Whether bars of ``bar_class`` redraw in place here: notebook widgets do, text bars on a terminal."""
+def redraws_in_place(bar_class, file=None) -> bool:
+    """Whether bars of ``bar_class`` writing to ``file`` (None: stderr) redraw in place: notebook widgets
+    do, and text bars on a terminal."""
     from tqdm.notebook import tqdm_notebook
 
-    return issubclass(bar_class, tqdm_notebook) or sys.stderr.isatty()
+    stream = sys.stderr if file is None else file
+    return issubclass(bar_class, tqdm_notebook) or bool(getattr(stream, "isatty", lambda: False)())
 
 
 def progress_bar(iterable=None, **kwargs):
     """A ``tqdm.auto`` bar over ``iterable`` (tqdm's keyword arguments), throttled where it would log."""
     from tqdm.auto import tqdm
 
-    if not redraws_in_place(tqdm):
+    if not redraws_in_place(tqdm, kwargs.get("file")):
         kwargs.setdefault("mininterval", LOG_REDRAW_INTERVAL_S)
     return tqdm(iterable, **kwargs)
