@@ -528,3 +528,28 @@ def test_pack_on_refuses_an_unknown_order_and_caches_nothing():
     with pytest.raises(ValueError, match="order must be"):
         trie.pack_on("cpu", "depth")
     assert trie._cache == {}
+
+
+@given(rollout_forests(), st.randoms(use_true_random=False))
+def test_subtrie_is_the_trie_of_those_sequences(seqs, rng):
+    trie = RolloutTrie.from_sequences(seqs)
+    dfs_order = [i for node in trie.preorder() for i in trie.nodes[node].ends]
+    some = rng.sample(range(len(seqs)), rng.randint(1, len(seqs)))
+    for indices in (dfs_order, some, dfs_order[: max(1, len(seqs) // 2)]):
+        sub = trie.subtrie(indices)
+        assert sub == RolloutTrie.from_sequences([seqs[i] for i in indices])
+        assert sub.seq_lengths == [len(seqs[i]) for i in indices]
+    whole = trie.subtrie(dfs_order)
+    whole.nodes[-1].tokens.append(0)  # a subtrie shares no list with its trie
+    assert trie == RolloutTrie.from_sequences(seqs)
+
+
+@given(rollout_forests())
+def test_shared_prefix_is_the_longest_common_prefix(seqs):
+    trie = RolloutTrie.from_sequences(seqs)
+    for i, a in enumerate(seqs):
+        for j, b in enumerate(seqs):
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            assert trie.shared_prefix(i, j) == n, (a, b)

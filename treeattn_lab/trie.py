@@ -174,6 +174,35 @@ class RolloutTrie:
             node = self.nodes[node].parent
         return out[::-1]
 
+    def shared_prefix(self, i: int, j: int) -> int:
+        """Length of the longest common prefix of sequences ``i`` and ``j``: the end depth of the deepest
+        node on both their paths (children of a node start with distinct tokens, so the paths part there)."""
+        a, b = self.seq_end_node[i], self.seq_end_node[j]
+        while a != b:
+            if self.nodes[a].end_depth >= self.nodes[b].end_depth:  # so a is not above b: lift a
+                a = self.nodes[a].parent
+            else:
+                b = self.nodes[b].parent
+        return self.nodes[a].end_depth
+
+    def subtrie(self, indices: Sequence[int]) -> RolloutTrie:
+        """The trie of sequences ``indices`` in that order, as :meth:`from_sequences` builds it from them.
+
+        For every sequence in DFS order (``[i for n in preorder() for i in nodes[n].ends]``) that trie has
+        these very nodes (each child is first reached in the order it holds among its siblings), so it is
+        this trie's nodes with the sequences renumbered, made without inserting any token again.
+        """
+        indices = list(indices)
+        dfs_order = [i for node in self.preorder() for i in self.nodes[node].ends]
+        if indices != dfs_order:
+            return RolloutTrie.from_sequences([self.sequence(i) for i in indices])
+        new_index = {old: new for new, old in enumerate(indices)}
+        nodes = [
+            TrieNode(list(n.tokens), n.parent, n.depth, list(n.children), sorted(map(new_index.get, n.ends)))
+            for n in self.nodes
+        ]
+        return RolloutTrie(nodes, [self.seq_end_node[i] for i in indices])
+
     def subtree_tokens(self) -> list[int]:
         """Tokens stored in each node's subtree (node included)."""
         total = [len(n.tokens) for n in self.nodes]

@@ -57,14 +57,6 @@ def dfs_sequence_order(trie: RolloutTrie) -> list[int]:
     return [i for node in trie.preorder() for i in trie.nodes[node].ends]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _pairs(lo: int, hi: int) -> int:
     """Attended pairs of positions ``lo .. hi - 1`` of a rollout (position p attends p + 1 keys)."""
     return (hi * (hi + 1) - lo * (lo + 1)) // 2
@@ -147,15 +139,14 @@ def plan_micro_batches(
 def _cut(trie: RolloutTrie, token_budget: int | None, seconds) -> list[MicroBatch]:
     """The micro-batches of the greedy fill (``seconds`` None) or of the cheapest cuts under ``seconds``."""
     order = dfs_sequence_order(trie)
-    seqs = [trie.sequence(i) for i in order]
-    lengths = [len(s) for s in seqs]
-    shared = [0] + [_common_prefix(a, b) for a, b in pairwise(seqs)]
+    lengths = [trie.seq_lengths[i] for i in order]
+    shared = [0] + [trie.shared_prefix(a, b) for a, b in pairwise(order)]
     if seconds is None:
         starts = _greedy_starts(lengths, shared, token_budget)
     else:
         starts = _cheapest_starts(lengths, shared, token_budget, seconds)
     bounds = starts + [len(order)]
     return [
-        MicroBatch(tuple(order[a:b]), RolloutTrie.from_sequences(seqs[a:b]), shared[a])
+        MicroBatch(tuple(order[a:b]), trie.subtrie(order[a:b]), shared[a])
         for a, b in pairwise(bounds)
     ]
