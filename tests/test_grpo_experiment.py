@@ -101,6 +101,12 @@ def test_bad_budget(budget, capsys):
     assert "argument --budget-s" in capsys.readouterr().err
 
 
+def test_a_budget_for_a_merge_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        grpo_tree.main(["--mode", "tiny", "--merge", str(tmp_path / "a.json"), "--budget-s", "60"])
+    assert "--merge trains nothing" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("budget, error", [(0, ValueError), (float("nan"), ValueError), (True, TypeError),
                                            ("60", TypeError)])
 def test_run_experiment_refuses_a_bad_budget_before_training(budget, error, monkeypatch):

@@ -22,16 +22,19 @@ that compiles again or autotunes for a new shape.
 
 Modes: ``tiny`` (CI, seconds), ``quick`` (sized for a 2-core CPU: three seeds within ten minutes; run the
 seeds one after another, or as separate processes joined with ``--merge``), ``full`` (sized for one H200:
-one seed per process, well inside a ten-minute command, at 32 prompts x 16 rollouts a step so that the
-learner phases carry real work; join the seeds with ``--merge``).
+one seed per process, at 32 prompts x 16 rollouts a step so that the learner phases carry real work;
+give each process its own ``--out`` folder, since the file name holds no seed, and join the files with
+``--merge``).
 A result file's ``rows`` are the per-(seed, loop) summary; ``steps`` holds every step's record,
 ``steps_done`` the GRPO steps each seed took and ``stopped_early`` whether a seed took fewer than
 ``config["steps"]``.
 
-``--budget-s S`` bounds a run that a time limit may kill: after each step, when the wall time since the
-run began would pass ``S`` seconds by the end of another step and the final evaluation, no new GRPO step
-starts and the seed is evaluated and summarised as it stands (every seed takes at least one step). A run
-of several seeds writes its result file after each seed, for the seeds done (atomically, like the last).
+``--budget-s S`` bounds the GRPO steps of a run that a time limit may kill: after each step, when the wall
+time since the run began would pass ``S`` seconds by the end of another step and the final evaluation, no
+new GRPO step starts and the seed is evaluated and summarised as it stands. It binds per step only: every
+seed still warms up, checks its step-0 gradients and takes at least one step, so a budgeted run is one
+seed per process. A run of several seeds writes its result file after each seed, for the seeds done
+(atomically, like the last).
 
     python -m treeattn_lab.experiments.grpo_tree --mode quick --seeds 0,1,2
     python -m treeattn_lab.experiments.grpo_tree --mode full --seeds 0 --budget-s 480
@@ -298,7 +301,14 @@ def budget_seconds(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..bench.harness import add_out_argument, environment, positive_int, print_table, write_results
+    from ..bench.harness import (
+        add_out_argument,
+        environment,
+        positive_int,
+        print_table,
+        result_path,
+        write_results,
+    )
 
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab.experiments.grpo_tree", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -320,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, steps=args.steps)
     if args.seeds:
         cfg = replace(cfg, seeds=args.seeds)
+    if args.merge and args.budget_s is not None:
+        parser.error("--budget-s bounds a run's GRPO steps; --merge trains nothing")
     saved = [json.loads(Path(f).read_text()) for f in args.merge or ()]
     env = saved[0]["environment"] if saved else environment()  # merged: where the runs ran, not here
 
@@ -342,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     print("headline:", json.dumps(result["headline"], indent=1))
     if result["stopped_early"]:
         print(f"stopped early by --budget-s: GRPO steps done per seed {result['steps_done']} of {cfg.steps}")
-    if not args.no_save:
-        print(f"wrote {save(result)}")
+    if not args.no_save:  # a run's last on_seed call wrote this result already
+        print(f"wrote {save(result) if saved else result_path(f'{BENCH_NAME}-{args.mode}', env, args.out)}")
     return 0
 
 
