@@ -490,3 +490,25 @@ def test_merge_reads_a_zero_answer_loss_without_a_passkey_as_undefined():
     got = _undefined_answer_loss(history)
     assert math.isnan(got["key_loss"][0]) and got["key_loss"][1:] == [0.5, 0.0]
     assert history["key_loss"] == [0.0, 0.5, 0.0]  # the input is not changed
+
+
+def test_the_pretraining_rate_refuses_a_stage_or_step_outside_the_curriculum():
+    cfg = ExperimentConfig(pretrain=(Stage(128, 5, 2), Stage(256, 3, 2)))
+    for stage, step, error, match in ((2, 0, ValueError, "past the curriculum's 2 stages"),
+                                      (-1, 0, ValueError, "stage must be at least 0"),
+                                      (1, 3, ValueError, "past stage 1's 3 steps"),
+                                      (0, -5, ValueError, "step must be at least 0"),
+                                      (0, 1.5, TypeError, "step must be an int")):
+        with pytest.raises(error, match=match):
+            cfg.pretrain_lr(stage, step)
+
+
+def test_rates_are_stored_as_python_floats():
+    import json
+
+    import numpy as np
+
+    stage = Stage(128, 5, 2, lr=np.float32(1e-3))
+    cfg = ExperimentConfig(pretrain=(stage,), lr=np.float64(2e-3), extend_lr=np.float32(5e-4))
+    assert type(stage.lr) is float and type(cfg.lr) is float and type(cfg.extend_lr) is float
+    json.dumps([stage.lr, cfg.lr, cfg.extend_lr])  # what the results file needs

@@ -46,11 +46,13 @@ def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int
                         n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, rope_theta=rope_theta)
 
 
-def _check_rate(name: str, value) -> None:
+def _check_rate(name: str, value) -> float:
+    """``value`` as a Python float (a NumPy or torch scalar would not survive the results' JSON)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class Stage:
         for name in ("seq_len", "steps", "batch_size"):
             check_int(f"Stage.{name}", getattr(self, name))
         if self.lr is not None:
-            _check_rate("Stage.lr", self.lr)
+            object.__setattr__(self, "lr", _check_rate("Stage.lr", self.lr))
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,8 @@ class ExperimentConfig:
     seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self):
-        _check_rate("lr", self.lr)
-        _check_rate("extend_lr", self.extend_lr)
+        object.__setattr__(self, "lr", _check_rate("lr", self.lr))
+        object.__setattr__(self, "extend_lr", _check_rate("extend_lr", self.extend_lr))
         if not math.isfinite(self.answer_weight) or self.answer_weight < 0:
             raise ValueError(f"answer_weight must be a finite number >= 0, got {self.answer_weight}")
         if not self.pretrain or not all(isinstance(s, Stage) for s in self.pretrain):
@@ -126,8 +128,14 @@ class ExperimentConfig:
     def pretrain_lr(self, stage: int, step: int) -> float:
         """The learning rate of step ``step`` of pretraining stage ``stage``: the first stage warms up
         linearly over its first ``min(100, steps // 10)`` steps; then every stage decays by half a cosine
-        from its own peak to the next stage's peak, the last stage to a tenth of its peak. The rate is
-        continuous from stage to stage and never rises after the warmup."""
+        from its own peak toward the next stage's peak, which that stage starts at (the last stage toward a
+        tenth of its peak), so the rate never rises after the warmup."""
+        check_int("stage", stage, minimum=0)
+        if stage >= len(self.pretrain):
+            raise ValueError(f"stage {stage} is past the curriculum's {len(self.pretrain)} stages")
+        check_int("step", step, minimum=0)
+        if step >= self.pretrain[stage].steps:
+            raise ValueError(f"step {step} is past stage {stage}'s {self.pretrain[stage].steps} steps")
         peaks, steps = self.stage_peaks(), self.pretrain[stage].steps
         warmup = min(100, steps // 10) if stage == 0 else 0
         if step < warmup:
