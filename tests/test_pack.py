@@ -1,5 +1,7 @@
 """TreePack: packed layout, per-sequence round trips and the subtree_end visibility rule."""
 
+import itertools
+
 import torch
 from hypothesis import given
 
@@ -164,3 +166,14 @@ def test_to_device_copy(seqs, order):
 def test_repr():
     pack = build([[1, 2, 3], [1, 2, 4]], "insertion")
     assert repr(pack) == "TreePack(T=4, sequences=2, nodes=3, device=cpu)"
+
+
+@given(rollout_forests(), orders)
+def test_sequence_positions_are_the_sequences_indices_concatenated(seqs, order):
+    pack = build(seqs, order)
+    positions, offsets = pack.sequence_positions()
+    assert offsets.tolist() == [0] + list(itertools.accumulate(len(s) for s in seqs))
+    for i, s in enumerate(seqs):
+        assert torch.equal(positions[offsets[i] : offsets[i + 1]], pack.seq_index(i))
+        assert pack.input_ids[positions[offsets[i] : offsets[i + 1]]].tolist() == s
+    assert pack.sequence_positions()[0] is positions  # built once per pack

@@ -133,6 +133,21 @@ class TreePack:
             self._cache[key] = idx.to(self.device)
         return self._cache[key]
 
+    def sequence_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, offsets)`` on the CPU: every sequence's packed positions, sequences concatenated;
+        sequence i owns ``positions[offsets[i]:offsets[i + 1]]`` (its :meth:`seq_index`). Built at once
+        from the packed range of each (sequence, node on its path) pair, and cached."""
+        if "sequence_positions" not in self._cache:
+            ends = self._cpu("seq_end_node").tolist()
+            path_nodes = [n for end in ends for n in self.node_path(end)]
+            starts = self._cpu("node_start")[path_nodes]
+            sizes = self._cpu("node_end")[path_nodes] - starts
+            before = sizes.cumsum(0) - sizes  # concatenated positions before each range
+            positions = torch.arange(int(sizes.sum())) + torch.repeat_interleave(starts - before, sizes)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self._cpu("seq_lengths").cumsum(0)])
+            self._cache["sequence_positions"] = (positions, offsets)
+        return self._cache["sequence_positions"]
+
     def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index [B, L], valid [B, L])``: packed position of each sequence's token, 0 where padded."""
         if "padded_index" not in self._cache:

@@ -56,15 +56,17 @@ class LossPlan:
     def _build(cls, pack, token_weights) -> LossPlan:
         ids = pack.input_ids.cpu()
         vocab = int(ids.max()) + 1
-        sources, targets, weights, offsets = [], [], [], [0]
-        for i in range(pack.num_sequences):
-            idx = pack.seq_index(i).cpu()
-            sources.append(idx[:-1])
-            targets.append(ids[idx[1:]])
-            w = torch.ones(idx.numel()) if token_weights is None else token_weights[i]
-            weights.append(w[1:].detach().to("cpu", torch.float64))
-            offsets.append(offsets[-1] + idx.numel() - 1)
-        source, target, seq_weight = torch.cat(sources), torch.cat(targets), torch.cat(weights)
+        positions, offsets = pack.sequence_positions()  # each rollout's packed positions, concatenated
+        first = torch.zeros(positions.numel(), dtype=torch.bool)
+        first[offsets[:-1]] = True  # a rollout's first token is predicted by nothing
+        last = torch.zeros_like(first)
+        last[offsets[1:] - 1] = True  # its last token predicts nothing
+        source, target = positions[~last], ids[positions[~first]]
+        if token_weights is None:
+            seq_weight = torch.ones(source.numel(), dtype=torch.float64)
+        else:
+            seq_weight = torch.cat([w[1:].detach().to("cpu", torch.float64) for w in token_weights])
+        offsets = offsets - torch.arange(offsets.numel())  # a rollout of n tokens has n - 1 pairs
         keys, seq_entry = torch.unique(source * vocab + target, sorted=True, return_inverse=True)
         weight = torch.zeros(keys.numel(), dtype=torch.float64).index_add_(0, seq_entry, seq_weight)
         return cls(
@@ -73,7 +75,7 @@ class LossPlan:
             weight=weight,
             seq_entry=seq_entry,
             seq_weight=seq_weight,
-            seq_offsets=torch.tensor(offsets, dtype=torch.int64),
+            seq_offsets=offsets,
         )
 
     @property
