@@ -287,8 +287,9 @@ class RolloutTrie:
     def pack_on(self, device, order: str = "insertion") -> TreePack:
         """The trie's pack (:meth:`pack`) on ``device``, built and moved once per trie, order and device,
         and shared by every caller together with what they cache on it (the attention backend's decision,
-        tile schedules, loss plans): the passes of one batch reuse it. Treat it as read-only."""
-        device = torch.device(device)
+        tile schedules, loss plans): the passes of one batch reuse it. Treat it as read-only; it lives as long
+        as the trie, in the device's memory."""
+        device = torch.empty(0, device=device).device  # "cuda" and "cuda:0" name one device
         cpu_pack = self.cached(("pack", order), lambda: self.pack(order))
         if device.type == "cpu":
             return cpu_pack
