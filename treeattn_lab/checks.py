@@ -6,6 +6,7 @@ the distributed layer and the lab helpers can all use it.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -18,3 +19,13 @@ def check_int(name: str, value, *, minimum: int = 1, allow_none: bool = False) -
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
     return int(value)
+
+
+def check_finite(name: str, value, *, positive: bool) -> float:
+    """``value`` as a Python float: a finite real number, > 0 when ``positive`` else >= 0; bools are refused
+    (a NumPy or torch scalar comes back as a float, which JSON can hold)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
+    return float(value)

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .checks import check_int
+from .checks import check_finite, check_int
 
 CORPUS_DIR = Path(__file__).resolve().parents[1] / "data" / "corpus"
 SPLITS = ("train", "validation")
@@ -69,14 +68,6 @@ def decode(tokens: torch.Tensor | Sequence[int]) -> str:
     """Byte tokens back to text (invalid UTF-8, e.g. a window cut inside a character, is replaced)."""
     values = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
     return bytes(values).decode("utf-8", errors="replace")
-
-
-def _check_finite(name: str, value, *, positive: bool) -> None:
-    """A finite real number, > 0 when ``positive`` else >= 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
 
 
 def _check_windows(tokens: torch.Tensor, batch_size: int, seq_len: int) -> None:
@@ -226,9 +217,9 @@ def train_language_model(
     check_int("steps", steps)
     check_int("warmup_steps", warmup_steps, minimum=0, allow_none=True)
     for name, value in (("lr", lr), ("grad_clip", grad_clip)):
-        _check_finite(name, value, positive=True)
+        check_finite(name, value, positive=True)
     for name, value in (("weight_decay", weight_decay), ("final_lr_ratio", final_lr_ratio)):
-        _check_finite(name, value, positive=False)
+        check_finite(name, value, positive=False)
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step must be callable or None, got {type(on_step).__name__}")
     device = _model_device(model)

@@ -185,16 +185,17 @@ class RolloutTrie:
                 b = self.nodes[b].parent
         return self.nodes[a].end_depth
 
+    def dfs_sequence_order(self) -> list[int]:
+        """Sequence indices in DFS preorder of their end nodes (ties: insertion order)."""
+        return [i for node in self.preorder() for i in self.nodes[node].ends]
+
     def subtrie(self, indices: Sequence[int]) -> RolloutTrie:
         """The trie of sequences ``indices`` in that order, as :meth:`from_sequences` builds it from them.
-
-        For every sequence in DFS order (``[i for n in preorder() for i in nodes[n].ends]``) that trie has
-        these very nodes (each child is first reached in the order it holds among its siblings), so it is
-        this trie's nodes with the sequences renumbered, made without inserting any token again.
-        """
+        For every sequence in :meth:`dfs_sequence_order` that trie has these very nodes (each child first
+        reached in its place among its siblings): this trie's nodes, sequences renumbered, no token
+        inserted again."""
         indices = list(indices)
-        dfs_order = [i for node in self.preorder() for i in self.nodes[node].ends]
-        if indices != dfs_order:
+        if indices != self.dfs_sequence_order():
             return RolloutTrie.from_sequences([self.sequence(i) for i in indices])
         new_index = {old: new for new, old in enumerate(indices)}
         nodes = [

@@ -53,8 +53,8 @@ class MicroBatch:
 
 
 def dfs_sequence_order(trie: RolloutTrie) -> list[int]:
-    """Sequence indices in DFS preorder of their end nodes (ties: insertion order)."""
-    return [i for node in trie.preorder() for i in trie.nodes[node].ends]
+    """Sequence indices in DFS preorder of their end nodes (:meth:`RolloutTrie.dfs_sequence_order`)."""
+    return trie.dfs_sequence_order()
 
 
 def _pairs(lo: int, hi: int) -> int:

@@ -45,8 +45,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
-import numbers
 import statistics
 import sys
 import time
@@ -55,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_finite
 from ..reference import TinyLM, TinyLMConfig
 from ..rl.grpo import GRPO, PHASES, GRPOConfig
 from ..rl.tasks import VOCAB_SIZE, AdditionTask
@@ -224,13 +223,7 @@ def headline(summary: list[dict], grad_rel_diff: dict) -> dict:
 
 def check_budget(budget_s) -> float | None:
     """``budget_s`` as a float > 0, or None (no budget); a bool, a non-number, NaN or infinity is refused."""
-    if budget_s is None:
-        return None
-    if isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real):
-        raise TypeError(f"budget_s must be a number of seconds, got {type(budget_s).__name__}")
-    if not (math.isfinite(budget_s) and budget_s > 0):
-        raise ValueError(f"budget_s must be a finite number of seconds > 0, got {budget_s}")
-    return float(budget_s)
+    return None if budget_s is None else check_finite("budget_s", budget_s, positive=True)
 
 
 def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True,

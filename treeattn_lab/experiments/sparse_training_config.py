@@ -29,10 +29,9 @@ since a few digits per sample are otherwise a small share of the gradient.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field, replace
 
-from ..checks import check_int
+from ..checks import check_finite, check_int
 from ..corpus import VOCAB_SIZE
 from ..ops.dynamic_sparse import SparseBudget
 from ..reference import TinyLMConfig
@@ -44,15 +43,6 @@ def byte_lm(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int
     """A byte-level TinyLM's configuration."""
     return TinyLMConfig(vocab_size=VOCAB_SIZE, dim=dim, n_layers=n_layers, n_heads=n_heads,
                         n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, rope_theta=rope_theta)
-
-
-def _check_rate(name: str, value) -> float:
-    """``value`` as a Python float (a NumPy or torch scalar would not survive the results' JSON)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -69,7 +59,7 @@ class Stage:
         for name in ("seq_len", "steps", "batch_size"):
             check_int(f"Stage.{name}", getattr(self, name))
         if self.lr is not None:
-            object.__setattr__(self, "lr", _check_rate("Stage.lr", self.lr))
+            object.__setattr__(self, "lr", check_finite("Stage.lr", self.lr, positive=True))
 
 
 @dataclass(frozen=True)
@@ -102,8 +92,8 @@ class ExperimentConfig:
     seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self):
-        object.__setattr__(self, "lr", _check_rate("lr", self.lr))
-        object.__setattr__(self, "extend_lr", _check_rate("extend_lr", self.extend_lr))
+        object.__setattr__(self, "lr", check_finite("lr", self.lr, positive=True))
+        object.__setattr__(self, "extend_lr", check_finite("extend_lr", self.extend_lr, positive=True))
         if not math.isfinite(self.answer_weight) or self.answer_weight < 0:
             raise ValueError(f"answer_weight must be a finite number >= 0, got {self.answer_weight}")
         if not self.pretrain or not all(isinstance(s, Stage) for s in self.pretrain):
