@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..checks import check_finite, check_int
-from ..corpus import VOCAB_SIZE
+from ..corpus import VOCAB_SIZE, lr_factor
 from ..ops.dynamic_sparse import SparseBudget
 from ..reference import TinyLMConfig
 from .passkey import passkey_overhead
@@ -128,11 +128,8 @@ class ExperimentConfig:
             raise ValueError(f"step {step} is past stage {stage}'s {self.pretrain[stage].steps} steps")
         peaks, steps = self.stage_peaks(), self.pretrain[stage].steps
         warmup = min(100, steps // 10) if stage == 0 else 0
-        if step < warmup:
-            return peaks[0] * (step + 1) / warmup
         end = peaks[stage + 1] if stage + 1 < len(peaks) else peaks[stage] * 0.1
-        progress = (step - warmup) / max(1, steps - warmup)
-        return end + (peaks[stage] - end) * 0.5 * (1 + math.cos(math.pi * progress))
+        return peaks[stage] * lr_factor(step, steps, warmup, end / peaks[stage])
 
     def budget(self) -> SparseBudget:
         return SparseBudget(self.n_vertical, self.n_slash, sinks=self.sinks, local=self.local,
