@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
-from treeattn_lab.bench.harness import synchronize
 from treeattn_lab.bench.train import (
     DEVICE_SYNC_CALLS,
     HOST_READ_OPS,
@@ -31,8 +29,9 @@ from treeattn_lab.bench.train import (
     bench_trie,
     profiled_events,
     run_setup,
+    timed_tree_backward,
 )
-from treeattn_lab.engine import compile_layers, tree_backward
+from treeattn_lab.engine import compile_layers
 from treeattn_lab.reference import TinyLM
 
 
@@ -59,23 +58,13 @@ def dynamo_state() -> dict:
     }
 
 
-def timed_step(model, trie, engine) -> float:
-    device = next(model.parameters()).device
-    model.zero_grad(set_to_none=True)
-    synchronize(device)
-    t0 = time.perf_counter()
-    tree_backward(model, trie, None, mode="dfs", **engine)
-    synchronize(device)
-    return time.perf_counter() - t0
-
-
 def profiled_counts(model, trie, engine) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = next(model.parameters()).device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        timed_step(model, trie, engine)
+        timed_tree_backward(model, trie, mode="dfs", **engine)
     names = collections.Counter(name for name, _, _ in profiled_events(prof))
     out = {"aten_ops": sum(n for name, n in names.items() if name.startswith("aten::"))}
     out["host_reads"] = {name: names[name] for name in HOST_READ_OPS if names[name]}
@@ -99,7 +88,7 @@ def probe(args, compiled: bool) -> dict:
         compile_layers(model, backend=recording(args.backend, host_inputs), dynamic=dynamic)
         row["variant"] = f"compiled ({args.backend}, dynamic={dynamic})"
     for i in (1, 2):
-        row[f"step_{i}_s"] = timed_step(model, trie, engine)
+        row[f"step_{i}_s"] = timed_tree_backward(model, trie, mode="dfs", **engine)
         if compiled:
             row[f"after_step_{i}"] = dynamo_state()
     if compiled:

@@ -70,6 +70,17 @@ DEVICE_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEven
 KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
+def timed_tree_backward(model, trie, *, mode: str, **engine) -> float:
+    """Wall seconds of one ``tree_backward`` from zeroed gradients, the device synchronized around it."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    t0 = time.perf_counter()
+    tree_backward(model, trie, None, mode=mode, **engine)
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
 def profile_step(model, trie, *, mode: str, **engine) -> dict:
     """One ``tree_backward`` under ``torch.profiler``: aten ops; host reads (:data:`HOST_READ_OPS`, from a
     CPU tensor as from a device one); on CUDA, device syncs (:data:`DEVICE_SYNC_CALLS`: every host read
@@ -81,14 +92,8 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    walls = []
-    for _ in range(2):  # a warm-up (caches, autotuning, allocator), then the wall time without the profiler
-        model.zero_grad(set_to_none=True)
-        synchronize(device)
-        t0 = time.perf_counter()
-        tree_backward(model, trie, None, mode=mode, **engine)
-        synchronize(device)
-        walls.append(time.perf_counter() - t0)
+    # a warm-up (caches, autotuning, allocator), then the wall time without the profiler
+    walls = [timed_tree_backward(model, trie, mode=mode, **engine) for _ in range(2)]
     model.zero_grad(set_to_none=True)
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
