@@ -299,7 +299,6 @@ def test_varlen_backend_calls_the_public_varlen_api_with_causal_gqa_and_scale(mo
     what flash would (bottom-right causal per sequence), through the same call the CUDA path makes."""
     from treeattn_lab.ops import varlen_tree
 
-    assert varlen_tree.VARLEN_ATTN is not None  # this torch has the public API with what the backend needs
     calls = []
 
     def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
@@ -316,6 +315,25 @@ def test_varlen_backend_calls_the_public_varlen_api_with_causal_gqa_and_scale(mo
     out = varlen_tree._flash_varlen(q, keys, values, plan, 0.3)
     assert calls == [((-1, 0), True, 0.3, plan.max_q, plan.max_k)]
     torch.testing.assert_close(out, reference.tree_attention(q, k, v, pack.subtree_end, scale=0.3))
+
+
+def test_varlen_backend_takes_the_public_api_exactly_when_it_has_the_arguments():
+    """The public ``varlen_attn`` is used when its signature has ``window_size``, ``scale`` and
+    ``enable_gqa`` (torch 2.13 does), else the private aten path."""
+    import inspect
+
+    from torch.torch_version import TorchVersion
+
+    from treeattn_lab.ops import varlen_tree
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        usable = {"window_size", "scale", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys()
+    except ImportError:
+        usable = False
+    assert (varlen_tree.VARLEN_ATTN is not None) == usable
+    if TorchVersion(torch.__version__) >= "2.13":
+        assert usable
 
 
 # ------------------------------------------------------------------------------------------ TinyLM
