@@ -29,7 +29,10 @@ def test_tiny_mode_end_to_end(tmp_path, capsys):
         assert first["flat"][key] == first["tree"][key], key
     for r in rows:
         assert r["token_ratio"] > 1 and r["times_s"]["train"] > 0 and r["step_s"] > 0
-    assert result["grad_rel_diff"]["3"] < 1e-5  # step-0 gradients agree, float32
+    check = result["grad_check"]["3"]
+    assert check["tree_vs_flat"] < 1e-5  # step-0 gradients agree, float32
+    assert 0 < check["flat_vs_fp64"] < 1e-5 and 0 < check["tree_vs_fp64"] < 1e-5  # rounding, not zero
+    assert result["headline"]["tree_grad_as_exact_as_flat"] is grpo_tree.as_exact_as_flat(check)
     assert result["steps_done"] == {"3": cfg.steps} and result["stopped_early"] is False
     assert all(s["steps"] == cfg.steps and s["learner_median_s"] > 0 for s in result["rows"])
     head = result["headline"]
@@ -47,7 +50,7 @@ def test_merge_of_per_seed_runs(tmp_path):
     assert merged["config"]["seeds"] == [0, 1]
     assert len(merged["steps"]) == len(a["steps"]) + len(b["steps"])
     assert {s["seed"] for s in merged["summary"]} == {0, 1}
-    assert set(merged["grad_rel_diff"]) == {0, 1}
+    assert set(merged["grad_check"]) == {0, 1}
     assert grpo_tree.main(["--mode", "tiny", "--merge", str(a_path), str(b_path), "--out", str(out)]) == 0
     (written,) = out.glob("grpo-tree-tiny__*.json")
     assert json.loads(written.read_text())["config"]["seeds"] == [0, 1]
@@ -58,7 +61,7 @@ def test_merge_of_per_seed_runs(tmp_path):
     assert set(merged_json) - {"merged_from"} == set(both)
     assert [set(r) for r in merged_json["rows"]] == [set(r) for r in both["rows"]]
     assert set(merged_json["headline"]) == set(both["headline"])
-    for key in ("config", "evals", "grad_rel_diff", "steps_done", "stopped_early"):
+    for key in ("config", "evals", "grad_check", "steps_done", "stopped_early"):
         assert merged_json[key] == both[key], key
     for key in ("seed", "loop", "final_reward", "first_reward", "eval_before", "eval_after", "token_ratio",
                 "steps"):

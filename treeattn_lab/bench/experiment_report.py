@@ -45,7 +45,12 @@ def render_grpo(p: dict) -> list[str]:
     out += render_rows(p)
     if head:
         out += [f"Over the seeds: {mapping(head)}", ""]
-    if p.get("grad_rel_diff"):
+    if p.get("grad_check"):
+        seeds = "; ".join(f"seed {seed}: " + ", ".join(f"{k.replace('_vs_', ' vs ')} {fmt(v)}"
+                                                       for k, v in c.items())
+                          for seed, c in p["grad_check"].items())
+        out += [f"Step-0 gradients, relative differences (float32 unless named): {seeds}.", ""]
+    elif p.get("grad_rel_diff"):
         out += [f"Step-0 gradients, tree against flat (relative difference per seed): "
                 f"{mapping(p['grad_rel_diff'])}", ""]
     return out

@@ -5,7 +5,8 @@ Protocol, per seed (:mod:`treeattn_lab.rl.grpo`, :mod:`treeattn_lab.rl.tasks`):
 1. A byte-level :class:`~treeattn_lab.reference.TinyLM` is warmed up with ``warmup_steps`` supervised steps
    on solved addition lines, so that RL starts from a reward above zero.
 2. Step-0 gradients: one sampled batch, the loop's objective, its gradient through the flat and through
-   the tree engine mode (float32); their relative difference ``|g_tree - g_flat| / |g_flat|`` is recorded.
+   the tree engine mode (float32) and through the flat mode in float64; the relative differences
+   tree-flat, flat-float64 and tree-float64 are recorded (:func:`gradient_check`).
 3. Two copies of the warmed-up model train with the same loop and the same seed, one ``mode="flat"``, one
    ``mode="tree"``: the same problems every step and, at step 0, the same sampled batch. Their steps
    alternate (flat first on even steps, tree first on odd ones), so load on a shared machine hits both.
@@ -110,27 +111,47 @@ LOOPS = ("flat", "tree")
 
 
 # ---------------------------------------------------------------------------------------------- one seed
-def gradient_check(model, task, cfg: ExperimentConfig, seed: int) -> float:
-    """``|g_tree - g_flat| / |g_flat|`` of the loop's objective on one sampled batch (float32). Where every
-    group's rewards tie (all advantages 0, so no gradient), standard-normal advantages stand in."""
+# Both loops sum in float32, in different orders: the tree's gradient counts as exact when its distance to
+# the float64 gradient is at most this many times the flat loop's.
+EXACTNESS_MARGIN = 2.0
+
+
+def gradient_check(model, task, cfg: ExperimentConfig, seed: int) -> dict:
+    """The loop's objective on one sampled batch, its gradient through the flat and the tree engine mode
+    (float32) and through the flat mode in float64: ``{"tree_vs_flat", "flat_vs_fp64", "tree_vs_fp64"}``,
+    each ``|g_a - g_b| / |g_b|``. The float64 gradient tells rounding from error: on a trained model,
+    GRPO's advantages of both signs cancel and either float32 loop can sit well above 1e-5 from it. Where
+    every group's rewards tie (all advantages 0, so no gradient), standard-normal advantages stand in."""
     grads = {}
     generator = torch.Generator().manual_seed(seed + 424_242)
     rollouts = None
-    for loop in LOOPS:
-        trainer = GRPO(copy.deepcopy(model), task, cfg.grpo(), mode=loop, seed=seed)
+    for name, loop, dtype in (("flat", "flat", torch.float32), ("tree", "tree", torch.float32),
+                              ("fp64", "flat", torch.float64)):
+        trainer = GRPO(copy.deepcopy(model).to(dtype), task, cfg.grpo(), mode=loop, seed=seed)
         if rollouts is None:
             rollouts = trainer.rollouts(0, generator=generator)
             trainer.score(rollouts)
             if not rollouts.advantages.any():
                 rollouts.advantages = torch.randn(rollouts.advantages.shape, generator=generator)
         trainer.backward(rollouts, trainer.objective(rollouts))
-        grads[loop] = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
-    return float((grads["tree"] - grads["flat"]).norm() / grads["flat"].norm().clamp(min=1e-30))
+        grads[name] = torch.cat([p.grad.double().flatten() for p in trainer.model.parameters()
+                                 if p.grad is not None])
+
+    def rel(a, b):
+        return float((grads[a] - grads[b]).norm() / grads[b].norm().clamp(min=1e-30))
+
+    return {"tree_vs_flat": rel("tree", "flat"), "flat_vs_fp64": rel("flat", "fp64"),
+            "tree_vs_fp64": rel("tree", "fp64")}
+
+
+def as_exact_as_flat(check: dict) -> bool:
+    """The tree's gradient is within :data:`EXACTNESS_MARGIN` times the flat loop's rounding of float64."""
+    return check["tree_vs_fp64"] <= EXACTNESS_MARGIN * check["flat_vs_fp64"]
 
 
 def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True,
              deadline: float | None = None) -> dict:
-    """The protocol of the module docstring for one seed: ``{"steps", "evals", "grad_rel_diff"}``.
+    """The protocol of the module docstring for one seed: ``{"steps", "evals", "grad_check"}``.
 
     ``deadline`` (a :func:`time.perf_counter` reading): after each step, no new step starts when another
     step as long as the last one, then the final evaluation (twice the warm-up evaluation), would end
@@ -145,7 +166,7 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True,
     eval_start = time.perf_counter()
     evals = {"warm-up": task.evaluate(model, held_out)}
     final_eval_s = len(LOOPS) * (time.perf_counter() - eval_start)
-    grad_rel_diff = gradient_check(model, task, cfg, seed)
+    grad_check = gradient_check(model, task, cfg, seed)
     trainers = {loop: GRPO(copy.deepcopy(model), task, cfg.grpo(), mode=loop, seed=seed) for loop in LOOPS}
     steps = []
     with progress_bar(total=cfg.steps, desc=f"GRPO flat + tree, seed {seed}", disable=not progress) as bar:
@@ -160,7 +181,7 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True,
                 break
     for loop, trainer in trainers.items():
         evals[loop] = task.evaluate(trainer.model, held_out)
-    return {"steps": steps, "evals": {seed: evals}, "grad_rel_diff": {seed: grad_rel_diff}}
+    return {"steps": steps, "evals": {seed: evals}, "grad_check": {seed: grad_check}}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -198,9 +219,10 @@ def summarize(steps: list[dict], evals: dict, final_window: int) -> list[dict]:
     return out
 
 
-def headline(summary: list[dict], grad_rel_diff: dict) -> dict:
+def headline(summary: list[dict], grad_check: dict) -> dict:
     """Flat against tree over seeds: final rewards (mean and range), learner time per step and its
-    speed-up, of the means and of the medians."""
+    speed-up, of the means and of the medians; the largest step-0 gradient differences
+    (:func:`gradient_check`) and whether every seed's tree gradient was as exact as flat's."""
     by = {loop: [s for s in summary if s["loop"] == loop] for loop in LOOPS}
     out = {}
     for loop, rows in by.items():
@@ -214,7 +236,9 @@ def headline(summary: list[dict], grad_rel_diff: dict) -> dict:
     out["learner_speedup_median"] = out["flat"]["learner_median_s"] / out["tree"]["learner_median_s"]
     out["step_speedup"] = out["flat"]["step_s"] / out["tree"]["step_s"]
     out["token_ratio"] = statistics.fmean(s["token_ratio"] for s in summary)
-    out["max_grad_rel_diff"] = max(grad_rel_diff.values())
+    for key in ("tree_vs_flat", "flat_vs_fp64", "tree_vs_fp64"):
+        out[f"max_grad_{key}"] = max(c[key] for c in grad_check.values())
+    out["tree_grad_as_exact_as_flat"] = all(as_exact_as_flat(c) for c in grad_check.values())
     spread = max(out[loop]["final_max"] - out[loop]["final_min"] for loop in LOOPS)
     out["reward_gap"] = out["tree"]["final_reward"] - out["flat"]["final_reward"]
     out["same_reward_within_spread"] = abs(out["reward_gap"]) <= spread
@@ -228,7 +252,7 @@ def check_budget(budget_s) -> float | None:
 
 def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progress: bool = True,
                    budget_s: float | None = None, on_seed=None) -> dict:
-    """Every seed of ``cfg``; returns ``{"config", "steps", "evals", "grad_rel_diff", "steps_done",
+    """Every seed of ``cfg``; returns ``{"config", "steps", "evals", "grad_check", "steps_done",
     "stopped_early", "summary", "headline", "seconds", "device"}``.
 
     ``budget_s``: the wall-time budget of the whole run, in seconds (module docstring). ``on_seed``: called
@@ -243,7 +267,7 @@ def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progre
         part = run_seed(cfg, seed, device, progress, deadline)
         steps += part["steps"]
         evals.update(part["evals"])
-        grads.update(part["grad_rel_diff"])
+        grads.update(part["grad_check"])
         config = {**asdict(cfg), "seeds": list(cfg.seeds[:done])}
         result = _result(config, steps, evals, grads, time.perf_counter() - start, str(device))
         if on_seed is not None:
@@ -254,7 +278,7 @@ def run_experiment(cfg: ExperimentConfig | str = "quick", *, device=None, progre
 def _result(config: dict, steps, evals, grads, seconds: float, device: str) -> dict:
     summary = summarize(steps, evals, config["final_window"])
     done = {seed: 1 + max(r["step"] for r in steps if r["seed"] == seed) for seed in sorted(evals)}
-    return {"config": config, "steps": steps, "evals": evals, "grad_rel_diff": grads, "steps_done": done,
+    return {"config": config, "steps": steps, "evals": evals, "grad_check": grads, "steps_done": done,
             "stopped_early": any(n < config["steps"] for n in done.values()), "summary": summary,
             "headline": headline(summary, grads), "seconds": seconds, "device": device}
 
@@ -271,7 +295,7 @@ def merge_results(results: list[dict]) -> dict:
         raise ValueError(f"results to merge repeat a seed: {sorted(seeds)}")
     # JSON turns the int seed keys into strings; normalise both forms
     evals = {int(k): v for r in results for k, v in r["evals"].items()}
-    grads = {int(k): v for r in results for k, v in r["grad_rel_diff"].items()}
+    grads = {int(k): v for r in results for k, v in r["grad_check"].items()}
     steps = [row for r in results for row in r["steps"]]
     return _result({**results[0]["config"], "seeds": sorted(seeds)}, steps, evals, grads,
                    sum(r["seconds"] for r in results), results[0]["device"])
