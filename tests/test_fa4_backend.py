@@ -6,12 +6,15 @@ it runs (half precision on a capable GPU). Where FA4 is installed on a Hopper-cl
 against the float64 reference on random tries with awkward sizes and grouped-query heads.
 """
 
+import random
+
 import pytest
 import torch
 
 from tests.conftest import relative_error, tree_backend_inputs
 from treeattn_lab import RolloutTrie, available_backends, reference, tree_attention
-from treeattn_lab.ops import backends, fa4_tree
+from treeattn_lab.bench.tree import branching_rollouts
+from treeattn_lab.ops import backends, fa4_tree, flat_tree, tile_census
 from treeattn_lab.ops import tree as tree_ops
 
 FA4_HERE = torch.cuda.is_available() and fa4_tree.fa4_available("cuda")
@@ -44,11 +47,11 @@ def test_fa4_refuses_what_it_cannot_take(monkeypatch):
     assert fa4_tree.runs_fa4(torch.zeros(3, 2, 128, dtype=torch.bfloat16))
 
 
-def test_auto_picks_flat_at_low_sharing_then_fa4_in_half_precision_where_it_runs(monkeypatch):
+def test_auto_picks_fa4_in_half_precision_where_it_runs_then_flat_at_low_sharing(monkeypatch):
     pack = small_pack()
     monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: torch.device(device).type == "cuda")
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
-    monkeypatch.setattr(tree_ops, "flat_pair_ratio", lambda pack: tree_ops.FA4_FROM_PAIR_RATIO)
+    monkeypatch.setattr(tree_ops, "partial_tile_share", lambda pack: tree_ops.FA4_MAX_PARTIAL_SHARE)
     pick = lambda device, dtype, d=128: tree_ops.choose_tree_backend("auto", pack, device, dtype, d)
     assert pick("cuda", torch.bfloat16) == "fa4"
     assert pick("cuda", torch.float16, 64) == "fa4"
@@ -57,28 +60,75 @@ def test_auto_picks_flat_at_low_sharing_then_fa4_in_half_precision_where_it_runs
     assert pick("cpu", torch.bfloat16) == "reference"
     assert tree_ops.choose_tree_backend("triton", pack, "cuda", torch.bfloat16, 128) == "triton"
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: True)
-    assert pick("cuda", torch.bfloat16) == "flat"  # a pack that shares little runs flat, FA4 or not
+    assert pick("cuda", torch.bfloat16) == "fa4"  # mostly full tiles: FA4 even where the pack shares little
+    assert pick("cuda", torch.bfloat16, 12) == "flat"
+    monkeypatch.setattr(tree_ops, "partial_tile_share", lambda pack: tree_ops.FA4_MAX_PARTIAL_SHARE + 0.01)
+    assert pick("cuda", torch.bfloat16) == "flat"  # mostly partial tiles and little sharing: flat
     monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: False)
+    monkeypatch.setattr(tree_ops, "partial_tile_share", lambda pack: pytest.fail("a census FA4 cannot use"))
+    assert pick("cuda", torch.bfloat16) == "flat"
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
     assert pick("cuda", torch.bfloat16) == "triton"
 
 
-def test_auto_runs_fa4_only_on_packs_that_share_enough_whatever_the_grad_mode(monkeypatch):
+def test_auto_runs_fa4_only_on_packs_of_mostly_full_tiles_whatever_the_grad_mode(monkeypatch):
     pack = small_pack()
     monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: True)
     monkeypatch.setattr(tree_ops, "prefers_flat", lambda pack: False)
 
-    def pick(ratio):
-        monkeypatch.setattr(tree_ops, "flat_pair_ratio", lambda pack: ratio)
+    def pick(share):
+        monkeypatch.setattr(tree_ops, "partial_tile_share", lambda pack: share)
         return tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128)
 
-    assert pick(tree_ops.FA4_FROM_PAIR_RATIO) == "fa4"
-    assert pick(tree_ops.FA4_FROM_PAIR_RATIO - 0.01) == "triton"  # FA4's backward loses on such packs
+    assert pick(0.0) == "fa4"
+    assert pick(tree_ops.FA4_MAX_PARTIAL_SHARE) == "fa4"
+    assert pick(tree_ops.FA4_MAX_PARTIAL_SHARE + 0.01) == "triton"  # FA4's backward loses on such packs
     with torch.no_grad():  # a log-prob pass runs what the training pass over the same pack runs
-        assert pick(tree_ops.FA4_FROM_PAIR_RATIO - 0.01) == "triton"
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # no cached ratio while tracing
-    monkeypatch.setattr(tree_ops, "flat_pair_ratio", lambda pack: pytest.fail("read the pack while tracing"))
+        assert pick(tree_ops.FA4_MAX_PARTIAL_SHARE + 0.01) == "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # no cached census while tracing
+    monkeypatch.setattr(tree_ops, "partial_tile_share", lambda pack: pytest.fail("read the pack, tracing"))
     assert tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128) == "fa4"
+
+
+def test_while_tracing_auto_uses_only_a_cached_tile_census(monkeypatch):
+    monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: True)
+    pick = lambda pack: tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128)
+    mostly_partial, mostly_full = small_pack(), small_pack()
+    assert pick(mostly_partial) == "triton" and pick(mostly_full) == "triton"  # eager: both censuses cached
+    mostly_full._cache["partial_tile_share"] = tree_ops.FA4_MAX_PARTIAL_SHARE  # as if its tiles were full
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(tile_census, "tile_census", lambda *args: pytest.fail("counted tiles while tracing"))
+    assert pick(mostly_partial) == "triton"
+    assert pick(mostly_full) == "fa4"
+    with pytest.raises(ValueError, match="torch.compile cannot build the tile census"):
+        tile_census.partial_tile_share(small_pack())
+
+
+def test_auto_picks_by_the_tiles_of_constructed_packs(monkeypatch):
+    """Long nodes in whole 128-token tiles run FA4 even when they share nothing; many short, ragged nodes
+    run the Triton kernel, or flat where they share little."""
+    monkeypatch.setattr(fa4_tree, "fa4_available", lambda device: True)
+    pick = lambda pack: tree_ops.choose_tree_backend("auto", pack, "cuda", torch.bfloat16, 128)
+    rng = random.Random(5)
+    aligned_low = branching_rollouts(3, 128, [(2, 1536)])  # shares little
+    aligned_high = branching_rollouts(2, 1024, [(4, 512)])
+    words = lambda n: [rng.randrange(1, 99) for _ in range(n)]
+    ragged_high = []  # 40 prompts of ragged length, 6 short ragged responses each
+    for group in range(40):
+        prompt = [1000 + group] + words(rng.randrange(20, 90))
+        ragged_high += [prompt + [child] + words(rng.randrange(5, 40)) for child in range(6)]
+    ragged_low = [[1000 + i] + words(199) for i in range(24)]  # nothing shared, nodes across tile edges
+    packs = {name: RolloutTrie.from_sequences(seqs).pack() for name, seqs in
+             [("aligned_low", aligned_low), ("aligned_high", aligned_high), ("ragged_high", ragged_high),
+              ("ragged_low", ragged_low)]}
+    share = {name: tile_census.partial_tile_share(pack) for name, pack in packs.items()}
+    ratio = {name: flat_tree.flat_pair_ratio(pack) for name, pack in packs.items()}
+    assert max(share["aligned_low"], share["aligned_high"]) <= tree_ops.FA4_MAX_PARTIAL_SHARE
+    assert min(share["ragged_low"], share["ragged_high"]) > tree_ops.FA4_MAX_PARTIAL_SHARE
+    assert max(ratio["aligned_low"], ratio["ragged_low"]) < flat_tree.FLAT_BELOW_PAIR_RATIO
+    assert min(ratio["aligned_high"], ratio["ragged_high"]) > flat_tree.FLAT_BELOW_PAIR_RATIO
+    assert {name: pick(pack) for name, pack in packs.items()} == {
+        "aligned_low": "fa4", "aligned_high": "fa4", "ragged_high": "triton", "ragged_low": "flat"}
 
 
 def test_while_tracing_auto_uses_only_a_cached_flat_decision(monkeypatch):
@@ -121,7 +171,7 @@ def test_fa4_equals_the_reference_forward_and_backward(dtype, heads, seed):
 def test_auto_runs_fa4_and_packs_of_other_sizes_reuse_it():
     for extra in (0, 129, 1000):
         pack = RolloutTrie.from_sequences(SEQS + [[4] * (extra + 1)]).pack().to("cuda")
-        pack._cache["flat_pair_ratio"] = tree_ops.FA4_FROM_PAIR_RATIO  # a pack that shares enough for FA4
+        pack._cache["partial_tile_share"] = tree_ops.FA4_MAX_PARTIAL_SHARE  # a pack FA4 suits
         assert tree_ops.choose_tree_backend("auto", pack, pack.device, torch.bfloat16, 128) == "fa4"
         inputs = tree_backend_inputs(pack, (4, 4, 128), extra, torch.float32)
         q, k, v = (x.cuda().bfloat16() for x in inputs[:3])

@@ -12,12 +12,13 @@ Backends:
   every visible pair once, at flash's speed per pair.
 - ``"fa4"``: FlashAttention-4's CuTe DSL kernels with the tree ``mask_mod`` through FlexAttention's FLASH
   backend (``ops/fa4_tree.py``): CUDA compute capability >= 9.0 with the ``[hopper]`` extra installed.
-- ``"auto"``: on CUDA for fp16 / bf16 inputs, flat when the pack shares little (attended pairs flat / tree
-  below ``flat_tree.FLAT_BELOW_PAIR_RATIO``, decided once per pack and cached on it; while
-  ``torch.compile`` traces, only a cached decision counts, since deciding reads the pack on the host), else
-  fa4 where it runs on a pack sharing at least :data:`FA4_FROM_PAIR_RATIO` (below it the Triton kernel's
-  backward is faster; the choice is per pack, so every pass over one pack runs the same kernel), else
-  triton, else flex; triton for other dtypes on CUDA; reference on the CPU.
+- ``"auto"``: on CUDA for fp16 / bf16 inputs, fa4 where it runs on a pack whose visited tiles are mostly
+  full (at most :data:`FA4_MAX_PARTIAL_SHARE` of them partial, :func:`~.tile_census.partial_tile_share`),
+  whatever the pack shares; else flat when the pack shares little (attended pairs flat / tree below
+  ``flat_tree.FLAT_BELOW_PAIR_RATIO``); else triton, else flex; triton for other dtypes on CUDA; reference
+  on the CPU. Both features are computed once per pack and cached on it, so every pass over one pack runs
+  the same kernel; while ``torch.compile`` traces, only a cached feature counts, since computing one reads
+  the pack on the host.
 """
 
 from __future__ import annotations
@@ -27,39 +28,48 @@ import torch
 from .. import reference
 from .backends import available_backends, choose_backend
 from .fa4_tree import fa4_takes, fa4_tree_attention
-from .flat_tree import flat_pair_ratio, flat_tree_attention, prefers_flat
+from .flat_tree import flat_tree_attention, prefers_flat
+from .tile_census import partial_tile_share
 from .validation import check_qkv, check_scale
 from .varlen_tree import varlen_tree_attention
 
-__all__ = ["FA4_FROM_PAIR_RATIO", "available_backends", "choose_backend", "choose_tree_backend",
+__all__ = ["FA4_MAX_PARTIAL_SHARE", "available_backends", "choose_backend", "choose_tree_backend",
            "tree_attention"]
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # where SDPA runs FlashAttention on CUDA
 
-# ``backend="auto"`` runs a pack through FA4 only when its flat / tree pair ratio
-# (:func:`~.flat_tree.flat_pair_ratio`) is at least this: on packs of many short rollouts FA4's forward
-# still wins but its backward loses to the Triton kernel's (the "fa4" and "triton" rows of ``bench tree``
-# in bench/results/tree__NVIDIA-H200__torch-2.11.0-cu130__triton-3.6.0.json, forward and fwd+bwd).
+# ``backend="auto"`` runs a pack through FA4 only when at most this share of the FA4 tiles it visits are
+# partial (:func:`~.tile_census.partial_tile_share`). FA4 runs full tiles unmasked, and its forward is the
+# fastest at any tile mix, but its backward pays more than the Triton kernel's (or flat SDPA's) for the
+# tiles the tree mask cuts: packs of long nodes in whole tiles run fastest on FA4 even when they share
+# little, packs of many short, ragged nodes do not (the "fa4", "triton" and "gather-flat" rows of
+# ``bench tree`` in bench/results/tree__NVIDIA-H200__torch-2.11.0-cu130__triton-3.6.0.json, fwd+bwd).
 # The choice is the pack's, not the call's: the log-prob passes, the training pass and a checkpoint's
 # recompute over one pack run the same kernel, so a PPO ratio starts at exactly 1.
-FA4_FROM_PAIR_RATIO = 1.5
+FA4_MAX_PARTIAL_SHARE = 0.25
+
+
+def _decided(pack, feature: str) -> bool:
+    """Whether ``auto`` may read ``feature`` of ``pack``: always eagerly, while ``torch.compile`` traces
+    only when an eager call cached it."""
+    return not torch.compiler.is_compiling() or feature in pack._cache
 
 
 def choose_tree_backend(backend: str, pack, device, dtype: torch.dtype, head_dim: int) -> str:
     """The backend ``tree_attention`` runs for ``backend`` on ``device``. ``"auto"`` on CUDA in half
-    precision runs a pack that shares little flat, where SDPA is FlashAttention
-    (:func:`treeattn_lab.ops.flat_tree.prefers_flat`), else FlashAttention-4 where it is available, takes
-    ``head_dim`` and the pack shares at least :data:`FA4_FROM_PAIR_RATIO`, else the Triton kernel. Both
-    decisions read the pack's cached pair ratio; while ``torch.compile`` traces, only a ratio already
-    cached by an eager call counts (without it: no flat fallback, and FA4 where it runs)."""
+    precision runs FlashAttention-4 where it is available, takes ``head_dim`` and at most
+    :data:`FA4_MAX_PARTIAL_SHARE` of the pack's visited tiles are partial; else a pack that shares little
+    flat, where SDPA is FlashAttention (:func:`treeattn_lab.ops.flat_tree.prefers_flat`); else the Triton
+    kernel. Both decisions read features cached on the pack; while ``torch.compile`` traces, only a
+    feature already cached by an eager call counts (without them: FA4 where it runs, and no flat
+    fallback)."""
     half_on_gpu = backend == "auto" and torch.device(device).type == "cuda" and dtype in FLASH_DTYPES
-    decided = not torch.compiler.is_compiling() or "flat_pair_ratio" in pack._cache
-    if half_on_gpu and decided and prefers_flat(pack):
-        return choose_backend(backend, device, low_sharing=True)
     if half_on_gpu and fa4_takes(device, dtype, head_dim) and (
-            not decided or flat_pair_ratio(pack) >= FA4_FROM_PAIR_RATIO):
+            not _decided(pack, "partial_tile_share") or partial_tile_share(pack) <= FA4_MAX_PARTIAL_SHARE):
         return "fa4"
+    if half_on_gpu and _decided(pack, "flat_pair_ratio") and prefers_flat(pack):
+        return choose_backend(backend, device, low_sharing=True)
     return choose_backend(backend, device)
 
 
