@@ -32,7 +32,7 @@ def test_tiny_mode_end_to_end(tmp_path, capsys):
     check = result["grad_check"]["3"]
     assert check["tree_vs_flat"] < 1e-5  # step-0 gradients agree, float32
     assert 0 < check["flat_vs_fp64"] < 1e-5 and 0 < check["tree_vs_fp64"] < 1e-5  # rounding, not zero
-    assert result["headline"]["tree_grad_as_exact_as_flat"] is grpo_tree.as_exact_as_flat(check)
+    assert result["headline"]["tree_grad_as_exact_as_flat"] is True
     assert result["steps_done"] == {"3": cfg.steps} and result["stopped_early"] is False
     assert all(s["steps"] == cfg.steps and s["learner_median_s"] > 0 for s in result["rows"])
     head = result["headline"]
@@ -56,6 +56,9 @@ def test_merge_of_per_seed_runs(tmp_path):
     assert json.loads(written.read_text())["config"]["seeds"] == [0, 1]
     with pytest.raises(ValueError, match="repeat a seed"):
         grpo_tree.merge_results([a, a])
+    old = {k: v for k, v in b.items() if k != "grad_check"}
+    with pytest.raises(ValueError, match=r"results \[1\] have no 'grad_check'"):
+        grpo_tree.merge_results([a, old])
     _, both = _run(tmp_path / "both", "--seeds", "0,1")  # one process, two seeds: the same result
     merged_json = json.loads(written.read_text())
     assert set(merged_json) - {"merged_from"} == set(both)

@@ -290,6 +290,10 @@ def merge_results(results: list[dict]) -> dict:
     settings = [{k: v for k, v in r["config"].items() if k != "seeds"} for r in results]
     if any(s != settings[0] for s in settings):
         raise ValueError("results to merge must come from the same configuration apart from the seeds")
+    lacking = [i for i, r in enumerate(results) if "grad_check" not in r]
+    if lacking:
+        raise ValueError(f"results {lacking} have no 'grad_check' (the float32 and float64 step-0 gradient "
+                         f"check): run those seeds again with this version")
     seeds = [s for r in results for s in r["config"]["seeds"]]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"results to merge repeat a seed: {sorted(seeds)}")
