@@ -2,6 +2,7 @@
 before anything runs (exit status 2 with a message naming the option), never tracebacks."""
 
 import argparse
+import json
 from unittest import mock
 
 import pytest
@@ -117,6 +118,8 @@ def test_tree_bench_writes_to_out(tmp_path, capsys):
     assert code == 0
     (written,) = tmp_path.glob("tree__*.json")
     assert str(written) in out
+    rows = json.loads(written.read_text())["rows"]  # each row names the pack features auto decides by
+    assert rows and all(r["flat_pair_ratio"] >= 1 and 0 <= r["partial_tile_share"] <= 1 for r in rows)
 
 
 @pytest.mark.parametrize(

@@ -317,23 +317,24 @@ def test_varlen_backend_calls_the_public_varlen_api_with_causal_gqa_and_scale(mo
     torch.testing.assert_close(out, reference.tree_attention(q, k, v, pack.subtree_end, scale=0.3))
 
 
-def test_varlen_backend_takes_the_public_api_exactly_when_it_has_the_arguments():
-    """The public ``varlen_attn`` is used when its signature has ``window_size``, ``scale`` and
-    ``enable_gqa`` (torch 2.13 does), else the private aten path."""
-    import inspect
-
+def test_varlen_backend_takes_the_public_api_only_with_the_arguments_it_passes(monkeypatch):
+    """``varlen_attn`` is used when it takes ``window_size``, ``scale`` and ``enable_gqa`` (torch 2.13's
+    does); one lacking any of them leaves the backend on the private aten path."""
+    import torch.nn.attention.varlen as public
     from torch.torch_version import TorchVersion
 
     from treeattn_lab.ops import varlen_tree
 
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-        usable = {"window_size", "scale", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys()
-    except ImportError:
-        usable = False
-    assert (varlen_tree.VARLEN_ATTN is not None) == usable
+    def full(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False): ...
+
+    def no_window(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False, enable_gqa=False): ...
+
     if TorchVersion(torch.__version__) >= "2.13":
-        assert usable
+        assert varlen_tree._public_varlen_attn() is public.varlen_attn
+    monkeypatch.setattr(public, "varlen_attn", full)
+    assert varlen_tree._public_varlen_attn() is full
+    monkeypatch.setattr(public, "varlen_attn", no_window)
+    assert varlen_tree._public_varlen_attn() is None
 
 
 # ------------------------------------------------------------------------------------------ TinyLM

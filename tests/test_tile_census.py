@@ -81,3 +81,6 @@ def test_edges_and_bad_inputs():
         census.tile_census([2, 2], 8, 8)
     with pytest.raises(TypeError, match="subtree_end must be a 1-D tensor"):
         census.tile_census(se[None], 8, 8)
+    for bad in ([1, 1], [2, 3], [0, 2]):  # a key outside (k, T]: not a tree rule
+        with pytest.raises(ValueError, match=r"subtree_end\[k\] must lie in \(k, T\]"):
+            census.tile_census(torch.tensor(bad), 8, 8)

@@ -164,6 +164,8 @@ def check_against_flat(pack, heads, dim, device, gen, backend: str = "triton") -
 
 def run_case(case: TreeCase, *, heads: int, dim: int, dtype, device, backends, check: bool) -> list[dict]:
     from ..ops import tree_attention
+    from ..ops.flat_tree import flat_pair_ratio
+    from ..ops.tile_census import partial_tile_share
     from ..ops.tree import choose_tree_backend
 
     trie = RolloutTrie.from_sequences(case.sequences)
@@ -172,7 +174,8 @@ def run_case(case: TreeCase, *, heads: int, dim: int, dtype, device, backends, c
     gen = torch.Generator(device=device).manual_seed(0)
     base = {"case": case.name, "T": pack.num_tokens, "flat_tokens": stats["flat_tokens"],
             "sequences": stats["num_sequences"], "ideal": stats["ideal_attention_ratio"],
-            "token_ratio": stats["token_ratio"]}
+            "token_ratio": stats["token_ratio"],  # and the pack features backend="auto" decides by:
+            "flat_pair_ratio": flat_pair_ratio(pack), "partial_tile_share": partial_tile_share(pack)}
     pairs = {"flat": stats["flat_attention_pairs"], "tree": stats["tree_attention_pairs"]}
     rows = []
     for backend in backends:

@@ -66,6 +66,8 @@ def tile_census(subtree_end: torch.Tensor, q_block: int, kv_block: int) -> TileC
         return TileCensus(0, 0)
     n_kv = -(-T // kv_block)
     se = subtree_end.detach().to("cpu", torch.int64)
+    if bool(((se <= torch.arange(T)) | (se > T)).any()):
+        raise ValueError("subtree_end[k] must lie in (k, T] for every key k, as a pack's does")
     pad = n_kv * kv_block - T
     hi = torch.nn.functional.pad(se, (0, pad), value=0).view(n_kv, kv_block).amax(1)
     lo = torch.nn.functional.pad(se, (0, pad), value=T).view(n_kv, kv_block).amin(1)
