@@ -29,3 +29,13 @@ def check_finite(name: str, value, *, positive: bool) -> float:
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
     return float(value)
+
+
+def check_in_range(name: str, value, low: float, high: float, *, open_low: bool = False) -> float:
+    """``value`` as a Python float in ``[low, high]`` (``(low, high]`` when ``open_low``); NaN and infinities
+    are refused even when ``high`` is infinite, and so are bools."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or not low <= value <= high or (open_low and value == low):
+        raise ValueError(f"{name} must lie in {'(' if open_low else '['}{low:g}, {high:g}], got {value}")
+    return float(value)

@@ -43,14 +43,13 @@ decoding (argmax, the lowest token id on ties) and draws nothing.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int
+from ..checks import check_in_range, check_int
 from ..engine.adapters import adapt
 from ..engine.attention import causal
 from ..trie import RolloutTrie, _as_token_list, _token_ids
@@ -283,15 +282,6 @@ def _decode_turn(decoder: _Decoder, max_new_tokens: int, finished: list[bool], e
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def _check_number(name: str, value, low: float, high: float, *, open_low: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value > high or value < low or (open_low and value == low):
-        side = "(" if open_low else "["
-        raise ValueError(f"{name} must lie in {side}{low}, {high}], got {value}")
-    return float(value)
-
-
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     if isinstance(prompts, (torch.Tensor, str, bytes)) or not isinstance(prompts, Sequence):
         raise TypeError("prompts must be a list of token-id lists (or of 1-D integer tensors)")
@@ -336,8 +326,8 @@ def sample(
     prompts = _check_prompts(prompts, adapter.vocab_size)
     num_samples = check_int("num_samples", num_samples)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens)
-    temperature = _check_number("temperature", temperature, 0.0, math.inf)
-    top_p = _check_number("top_p", top_p, 0.0, 1.0, open_low=True)
+    temperature = check_in_range("temperature", temperature, 0.0, math.inf)
+    top_p = check_in_range("top_p", top_p, 0.0, 1.0, open_low=True)
     check_int("eos_token_id", eos_token_id, minimum=0, allow_none=True)
     if eos_token_id is not None and eos_token_id >= adapter.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary ({adapter.vocab_size})")

@@ -14,9 +14,9 @@ from collections import deque
 
 import torch
 
-from ...checks import check_int
+from ...checks import check_in_range, check_int
 from .figure import fill_figure, history_columns, monitor_figure
-from .probes import check_devices, check_number, gpu_name, host_rss_bytes, in_notebook, nvml_utilization
+from .probes import check_devices, gpu_name, host_rss_bytes, in_notebook, nvml_utilization
 from .records import GpuSample, Sample, Step
 
 MIB = 2**20
@@ -60,10 +60,10 @@ class LiveMonitor:
         if not isinstance(reset_peak, bool):
             raise TypeError(f"reset_peak must be a bool, got {type(reset_peak).__name__}")
         self.title = title
-        self.hz = check_number("hz", hz, 1.0, 50.0)
+        self.hz = check_in_range("hz", hz, 1.0, 50.0)
         self.max_samples = check_int("max_samples", max_samples, minimum=2)
         self.max_steps = check_int("max_steps", max_steps, minimum=1)
-        self.refresh_s = check_number("refresh_s", refresh_s, 0.1, 3600.0)
+        self.refresh_s = check_in_range("refresh_s", refresh_s, 0.1, 3600.0)
         self.display = display
         self.devices = check_devices(devices)
         self.reset_peak = reset_peak
@@ -243,7 +243,7 @@ class LiveMonitor:
 
         Usable as a callback: ``on_step=mon.step``. Returns the recorded :class:`Step`.
         """
-        latency_ms = check_number("latency_ms", latency_ms, 0.0, math.inf)
+        latency_ms = check_in_range("latency_ms", latency_ms, 0.0, math.inf)
         if label is not None and not isinstance(label, str):
             raise TypeError(f"label must be a str or None, got {type(label).__name__}")
         if not self.running:

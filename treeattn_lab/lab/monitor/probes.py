@@ -6,7 +6,6 @@ through ``torch.cuda.utilization``, which raises where pynvml or the driver is m
 
 from __future__ import annotations
 
-import math
 import numbers
 import sys
 import warnings
@@ -50,15 +49,6 @@ def nvml_utilization(device: int) -> float:
 def gpu_name(device: int) -> str:
     """`` <name>`` of a GPU, or nothing while CUDA is uninitialised (asking would initialise it)."""
     return f" {torch.cuda.get_device_name(device)}" if torch.cuda.is_initialized() else ""
-
-
-def check_number(name: str, value, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not lo <= value <= hi or not math.isfinite(value):  # also rejects NaN and infinities
-        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
-    return value
 
 
 def check_devices(devices) -> list[int]:
