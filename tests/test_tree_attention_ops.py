@@ -94,7 +94,7 @@ def test_available_backends():
 
 
 def test_module_presence_is_a_constant_torch_compile_reads_once():
-    from treeattn_lab.ops.backends import module_found
+    from treeattn_lab.runtime import module_found
 
     assert module_found("triton") and not module_found("no_such_package.sub.module")
     listed = torch.compile(lambda x: (x, available_backends(x.device)), fullgraph=True, backend="eager")

@@ -19,6 +19,15 @@ import sys
 from pathlib import Path
 
 
+def module_found(name: str) -> bool:
+    """Whether module ``name`` can be imported here (``importlib.util.find_spec``, which torch.compile does
+    not trace); False too when a package above it is missing or broken."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a missing parent package, or a module whose __spec__ is unset
+        return False
+
+
 def cuda_available() -> bool:
     import torch
 

@@ -12,10 +12,9 @@ picks on CUDA when the caller reports that the pack shares little (``low_sharing
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from ..runtime import module_found
 from .fa4_tree import FA4_NEEDS, fa4_available
 
 BACKENDS = ("reference", "flex", "triton")
@@ -34,15 +33,6 @@ OPTIONAL_NEEDS = {"fa4": FA4_NEEDS}
 
 
 @torch.compiler.assume_constant_result  # a fact of the install: torch.compile reads it once, as a constant
-def module_found(name: str) -> bool:
-    """Whether module ``name`` can be imported here (``importlib.util.find_spec``, which torch.compile does
-    not trace); False too when a package above it is missing."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
     """Backends that can run ``op`` on ``device`` (forward at least)."""
     if op not in KERNELS:

@@ -30,10 +30,10 @@ once per pack.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
+from ..runtime import module_found
 from .flex import flex_attention
 from .flex_tree import tree_block_mask
 
@@ -49,10 +49,7 @@ FA4_NEEDS = "FlashAttention-4 (pip install 'treeattn_lab[hopper]') on a CUDA GPU
 @functools.cache
 def fa4_importable() -> bool:
     """Whether FlashAttention-4's CuTe DSL package (``flash_attn.cute``) is installed."""
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):  # no ``flash_attn`` at all, or a broken install
-        return False
+    return module_found("flash_attn.cute")
 
 
 @torch.compiler.assume_constant_result  # a fact of the machine: torch.compile reads it once, as a constant
