@@ -39,7 +39,7 @@ import torch
 
 from ..checks import check_int
 from ..engine.cost_model import MODES, CostModel, MicroBatchShape
-from ..engine.microbatch import MicroBatch, check_planning_mode, dfs_sequence_order, plan_micro_batches
+from ..engine.microbatch import MicroBatch, check_planning_mode, plan_micro_batches
 from ..trie import RolloutTrie
 
 
@@ -183,7 +183,7 @@ class CostTree:
         self.ends_at = [[] for _ in range(n)]  # rollouts ending at each node, in index order
         for i, v in enumerate(self.end_node):
             self.ends_at[v].append(i)
-        self.dfs_order = dfs_sequence_order(trie)
+        self.dfs_order = trie.dfs_sequence_order()
         self.dfs_rank = [0] * self.num_rollouts
         for k, i in enumerate(self.dfs_order):
             self.dfs_rank[i] = k

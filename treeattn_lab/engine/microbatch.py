@@ -52,11 +52,6 @@ class MicroBatch:
         return sum(len(n.tokens) for n in self.trie.nodes)
 
 
-def dfs_sequence_order(trie: RolloutTrie) -> list[int]:
-    """Sequence indices in DFS preorder of their end nodes (:meth:`RolloutTrie.dfs_sequence_order`)."""
-    return trie.dfs_sequence_order()
-
-
 def _pairs(lo: int, hi: int) -> int:
     """Attended pairs of positions ``lo .. hi - 1`` of a rollout (position p attends p + 1 keys)."""
     return (hi * (hi + 1) - lo * (lo + 1)) // 2
@@ -138,7 +133,7 @@ def plan_micro_batches(
 
 def _cut(trie: RolloutTrie, token_budget: int | None, seconds) -> list[MicroBatch]:
     """The micro-batches of the greedy fill (``seconds`` None) or of the cheapest cuts under ``seconds``."""
-    order = dfs_sequence_order(trie)
+    order = trie.dfs_sequence_order()
     lengths = [trie.seq_lengths[i] for i in order]
     shared = [0] + [trie.shared_prefix(a, b) for a, b in pairwise(order)]
     if seconds is None:

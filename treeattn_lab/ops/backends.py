@@ -32,7 +32,11 @@ OPTIONAL_BACKENDS = {"tree_attention": {"fa4": fa4_available}}
 OPTIONAL_NEEDS = {"fa4": FA4_NEEDS}
 
 
-@torch.compiler.assume_constant_result  # a fact of the install: torch.compile reads it once, as a constant
+# Module presence is a fact of the install: marked (in place) so that torch.compile reads it once, as a
+# constant, instead of tracing importlib's find_spec, which dynamo refuses.
+torch.compiler.assume_constant_result(module_found)
+
+
 def available_backends(device="cpu", op: str = "tree_attention") -> list[str]:
     """Backends that can run ``op`` on ``device`` (forward at least)."""
     if op not in KERNELS:
