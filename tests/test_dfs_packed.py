@@ -14,9 +14,14 @@ from tests.conftest import orders, rollout_forests
 from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
 from treeattn_lab import RolloutTrie
 from treeattn_lab.bench import train as bench_train
-from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, tree_backward
+from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, block_attention, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
+from treeattn_lab.engine.attention import prefix_tree
+from treeattn_lab.ops.fa4_tree import fa4_available
+from treeattn_lab.ops.flex import flex_attention
 from treeattn_lab.reference import TinyLM, TinyLMConfig
+
+FA4_HERE = torch.cuda.is_available() and fa4_available("cuda")
 
 # two prompts; below the first, small subtrees (packed whole at 8 tokens) beside one too large for a block
 SUBTREES = [
@@ -66,24 +71,55 @@ def test_packed_walk_runs_every_token_once_within_the_budget(seqs, order, block_
 
 @given(rollout_forests(max_sequences=8, max_len=16), orders, st.integers(1, 9))
 @settings(max_examples=60)
-def test_span_mask_is_the_tree_rule_beside_the_prefix(seqs, order, block_tokens):
+def test_a_block_sees_the_whole_prefix_and_the_tree_rule_inside_it(seqs, order, block_tokens):
     pack = RolloutTrie.from_sequences(seqs).pack(order=order)
-    state = engine_dfs.PathState(1, int(pack.seq_lengths.max()), subtree_end=pack.subtree_end)
     subtree_end = pack.subtree_end
     for _, b in engine_dfs.walk(pack, block_tokens)[1]:
         n, p = b.end - b.start, b.position
         q = torch.arange(b.start, b.end)[:, None]
         k = torch.arange(b.start, b.end)[None, :]
         rule = (k <= q) & (q < subtree_end[k])
-        mask = engine_dfs.span_mask(state, b)
-        if mask is None:  # a chain: causal after the prefix is the rule
-            assert torch.equal(rule, torch.ones(n, n, dtype=torch.bool).tril())
-            continue
+        mask = block_attention.span_mask(subtree_end, b.start, b.end, p)
         assert mask.shape == (n, p + n) and bool(mask[:, :p].all())
         assert torch.equal(mask[:, p:], rule)
-        bias = engine_dfs.additive_mask(mask, torch.float32)  # what the layers attend under
+        if not b.tree:  # a chain: causal after the prefix is the rule
+            assert torch.equal(rule, torch.ones(n, n, dtype=torch.bool).tril())
+        bias = block_attention.additive_mask(mask, torch.float32)  # what the layers attend under on SDPA
         assert torch.equal(bias == 0, mask) and bool(torch.isneginf(bias[~mask]).all())
         assert bias.stride(0) % 16 == 0
+
+
+def long_forest(seed: int) -> list[list[int]]:
+    """Six rollouts below a shared trunk of 150-227 tokens, each 40-299 tokens more: blocks of a few
+    128-token tiles at ``block_tokens`` 333."""
+    g = torch.Generator().manual_seed(seed)
+    trunk = torch.randint(1, 99, (150 + seed * 77,), generator=g).tolist()
+    tails = [int(n) for n in torch.randint(40, 300, (6,), generator=g)]
+    return [trunk + torch.randint(1, 99, (n,), generator=g).tolist() for n in tails]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_flex_block_mask_of_a_block_attends_like_its_dense_mask(seed):
+    """Blocks several 128-token tiles long: FlexAttention under the rule's BlockMask (what FA4 runs, here
+    FlexAttention's eager CPU code) gives SDPA's output under the dense mask."""
+    g = torch.Generator().manual_seed(seed)
+    pack = RolloutTrie.from_sequences(long_forest(seed)).pack()
+    tree_blocks = longest = 0
+    for _, b in engine_dfs.walk(pack, 333, push_blocks=engine_dfs.PUSH_BLOCKS)[1]:
+        n, p = b.end - b.start, b.position
+        q = torch.randn(1, n, 4, 16, generator=g)
+        keys, values = (torch.randn(1, p + n, 2, 16, generator=g) for _ in range(2))
+        first, last = block_attention.block_rule(pack.subtree_end, b.start, b.end, p)
+        mask = block_attention.span_mask(pack.subtree_end, b.start, b.end, p)
+        block_mask = block_attention.rule_block_mask(first, last, n)
+        tiles = block_mask.to_dense()[0, 0].bool()  # [query tiles, key tiles]: True where one is visited
+        seen = torch.nn.functional.pad(mask.float(), (0, -(p + n) % 128, 0, -n % 128))
+        assert torch.equal(tiles, torch.nn.functional.max_pool2d(seen[None], 128)[0].bool())
+        got = flex_attention(q, keys, values, block_mask)
+        torch.testing.assert_close(got, prefix_tree(q, keys, values, mask), atol=2e-5, rtol=2e-5)
+        tree_blocks += b.tree
+        longest = max(longest, n)
+    assert tree_blocks and longest > 2 * 128  # blocks of trees, several tiles long
 
 
 class NanPath(engine_dfs.PathState):
@@ -183,3 +219,24 @@ def test_memory_limited_auto_on_a_large_set_chooses_dfs_and_meets_its_targets():
     assert "agentic_x2: auto (dfs) >= 1.0 x flat" in names
     assert names["agentic: GPU busy (kernel time / wall) of a dfs step >= 0.85"]["met"]
 
+
+@pytest.mark.skipif(not FA4_HERE, reason="FlashAttention-4 needs a Hopper-class GPU and the [hopper] extra")
+@pytest.mark.parametrize("seed", [2, 5])
+def test_dfs_blocks_run_fa4_with_the_gradients_of_fp32_flat(monkeypatch, seed):
+    seqs = long_forest(seed)
+    torch.manual_seed(seed)
+    cfg = TinyLMConfig(vocab_size=100, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=320)
+    reference = TinyLM(cfg).cuda()
+    model = TinyLM(cfg).cuda().bfloat16()
+    model.load_state_dict(reference.state_dict())
+    trie = RolloutTrie.from_sequences(seqs)
+    tree_backward(reference, trie, None, mode="flat")
+    want = bench_train.flat_gradient(reference)
+    kernels = []
+    run_flex = block_attention.flex_attention
+    monkeypatch.setattr(block_attention, "flex_attention",
+                        lambda *a, **kw: kernels.append(kw["kernel"]) or run_flex(*a, **kw))
+    tree_backward(model, trie, None, mode="dfs", block_tokens=333)
+    got = bench_train.flat_gradient(model)
+    assert kernels and set(kernels) == {"flash"}
+    assert torch.isfinite(got).all() and float((got - want).norm() / want.norm()) < 2e-2

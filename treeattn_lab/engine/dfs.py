@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import features_and_head
-from .attention import prefix_tree, suffix_causal
+from .block_attention import BlockAttention
 
 
 @dataclass(frozen=True)
@@ -165,47 +165,16 @@ class PathState:
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
-def span_mask(state: PathState, block: Block) -> torch.Tensor | None:
-    """``[n, position + n]`` bool: what the block's queries see, the stored prefix and, inside the block,
-    the pack's tree rule; None for a chain (causal attention after the prefix says it)."""
-    if not block.tree:
-        return None
-    n = block.end - block.start
-    local = torch.arange(n, device=state.subtree_end.device)
-    ends = state.subtree_end[block.start : block.end].to(torch.int64) - block.start
-    inside = (local[None, :] <= local[:, None]) & (local[:, None] < ends[None, :])
-    return torch.cat([inside.new_ones(n, block.position), inside], dim=1)
+def block_attention(state: PathState, block: Block) -> BlockAttention:
+    """The attention a block's queries run over the stored prefix and the block in every layer."""
+    return BlockAttention(state.subtree_end, block.start, block.end, block.position, block.tree)
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``mask`` as the additive bias attention kernels take (0 where seen, -inf elsewhere) in ``dtype``,
-    rows aligned to 16 elements: built once per call and shared by every layer as it is (no kernel pads
-    or converts a copy per layer, and autograd saves that one tensor for all of them)."""
-    n, s = mask.shape
-    bias = mask.new_full((n, -(-s // 16) * 16), float("-inf"), dtype=dtype)[:, :s]
-    return bias.masked_fill_(mask, 0.0)
-
-
-class _SpanBias:
-    """The additive mask of a block (None for a chain), made on the first layer's call."""
-
-    def __init__(self, state: PathState, block: Block):
-        self.mask = span_mask(state, block)
-        self.bias = None
-
-    def __call__(self, dtype: torch.dtype):
-        if self.mask is not None and self.bias is None:
-            self.bias = additive_mask(self.mask, dtype)
-        return self.bias
-
-
-def _after_prefix(q, k, v, prefix_k, prefix_v, mask, scale):
+def _after_prefix(attend, q, k, v, prefix_k, prefix_v, scale):
     """Attention of a block's queries over the stored prefix followed by its own keys."""
     keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
     values = torch.cat([prefix_v.to(v.dtype), v], dim=1)
-    if mask is None:
-        return suffix_causal(q, keys, values, scale)
-    return prefix_tree(q, keys, values, mask, scale)
+    return attend(q, keys, values, scale)
 
 
 class PrefixRead:
@@ -213,13 +182,12 @@ class PrefixRead:
 
     def __init__(self, state: PathState, block: Block):
         self.state, self.block = state, block
-        self.bias = _SpanBias(state, block)
+        self.attend = block_attention(state, block)
 
     def __call__(self, layer: int, q, k, v, scale=None):
         st, p = self.state, self.block.position
         st.ensure(layer, k)
-        bias = self.bias(q.dtype)
-        return _after_prefix(q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], bias, scale)
+        return _after_prefix(self.attend, q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], scale)
 
 
 class BlockRun:
@@ -228,7 +196,7 @@ class BlockRun:
     def __init__(self, state: PathState, block: Block, with_grad: bool):
         self.state, self.block, self.with_grad = state, block, with_grad
         n = state.num_layers
-        self.bias = _SpanBias(state, block)  # a push is a chain: None
+        self.attend = block_attention(state, block)
         self.prefix_k: list[torch.Tensor | None] = [None] * n  # detached leaves (with_grad only)
         self.prefix_v: list[torch.Tensor | None] = [None] * n
         self.new_k: list[torch.Tensor | None] = [None] * n  # this block's own K/V, kept for injection
@@ -240,7 +208,7 @@ class BlockRun:
         if not self.with_grad:
             st.k[layer][p : p + n] = k[0]
             st.v[layer][p : p + n] = v[0]
-            return suffix_causal(q, st.k[layer][None, : p + n], st.v[layer][None, : p + n], scale)
+            return self.attend(q, st.k[layer][None, : p + n], st.v[layer][None, : p + n], scale)
         if not torch.is_grad_enabled():  # what a reentrant checkpoint does to the layers it wraps
             raise RuntimeError(
                 "the DFS engine needs autograd inside the model's layers: with activation checkpointing use "
@@ -250,8 +218,7 @@ class BlockRun:
             self.prefix_k[layer] = st.k[layer][None, :p].detach().requires_grad_(True)
             self.prefix_v[layer] = st.v[layer][None, :p].detach().requires_grad_(True)
             self.new_k[layer], self.new_v[layer] = k, v
-        bias = self.bias(q.dtype)
-        return _after_prefix(q, k, v, self.prefix_k[layer], self.prefix_v[layer], bias, scale)
+        return _after_prefix(self.attend, q, k, v, self.prefix_k[layer], self.prefix_v[layer], scale)
 
     def backward(self, loss) -> None:
         """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V, then add the

@@ -1,0 +1,97 @@
+"""The attention of one DFS event: a block's queries over the stored prefix and the block's own keys.
+
+A block of ``n`` packed tokens ``[start, start + n)`` whose first token sits at position ``p`` in its
+rollouts runs its queries over ``p + n`` keys: the active path's stored prefix, which every query of the
+block sees, then the block's own keys under the pack's tree rule cut to the block. Both parts are one rule
+over two int32 vectors of length ``p + n``::
+
+    query i sees key j   <=>   first[j] <= i < last[j]
+    first = (0, ..., 0, 0, 1, ..., n - 1)         last = (n, ..., n, ends)
+            \\-- p --/ \\---- block -----/                \\-- p --/
+
+with ``ends[j] = min(subtree_end[start + j] - start, n)``: the end of key ``j``'s subtree inside the block
+(``n`` everywhere in a chain, where the rule is causal attention aligned to the bottom right).
+
+Two kernels run it, decided on the event's first layer call and shared by all its layers with one mask:
+
+- **FlashAttention-4** where it runs (CUDA compute capability >= 9.0 with the ``[hopper]`` extra, fp16 /
+  bf16, ``ops/fa4_tree.py``): FlexAttention's FLASH backend with the rule's ``BlockMask``. The prefix is
+  whole 128 x 128 tiles that run unmasked, tiles the block's tree leaves empty are skipped, and only the
+  tiles it cuts evaluate the rule;
+- **SDPA** elsewhere: causal aligned to the bottom right for a chain (FlashAttention on CUDA), and for a
+  block holding a tree an explicit additive mask, built once and read by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.fa4_tree import runs_fa4
+from ..ops.flex import flex_attention
+from .attention import prefix_tree, suffix_causal
+
+__all__ = ["BlockAttention", "additive_mask", "block_rule", "span_mask"]
+
+
+def block_rule(subtree_end: torch.Tensor, start: int, end: int, position: int):
+    """``(first, last)``, int32 ``[position + n]`` on ``subtree_end``'s device: query ``i`` of the block
+    ``[start, end)`` sees key ``j`` of ``[prefix; block]`` exactly when ``first[j] <= i < last[j]``
+    (module docstring). Built on the device from host integers: nothing is read back."""
+    n = end - start
+    ends = (subtree_end[start:end].to(torch.int32) - start).clamp_(max=n)
+    first = torch.arange(-position, n, dtype=torch.int32, device=subtree_end.device).clamp_(min=0)
+    return first, torch.cat([ends.new_full((position,), n), ends])
+
+
+def span_mask(subtree_end: torch.Tensor, start: int, end: int, position: int) -> torch.Tensor:
+    """The rule as a dense ``[n, position + n]`` bool mask."""
+    first, last = block_rule(subtree_end, start, end, position)
+    i = torch.arange(end - start, device=first.device, dtype=torch.int32)[:, None]
+    return (first[None, :] <= i) & (i < last[None, :])
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as the additive bias attention kernels take (0 where seen, -inf elsewhere) in ``dtype``,
+    rows aligned to 16 elements: built once per call and shared by every layer as it is (no kernel pads
+    or converts a copy per layer, and autograd saves that one tensor for all of them)."""
+    n, s = mask.shape
+    bias = mask.new_full((n, -(-s // 16) * 16), float("-inf"), dtype=dtype)[:, :s]
+    return bias.masked_fill_(mask, 0.0)
+
+
+def rule_block_mask(first: torch.Tensor, last: torch.Tensor, num_queries: int):
+    """FlexAttention ``BlockMask`` of the rule over ``[1, H, num_queries, D]`` queries and ``[1, H,
+    len(first), D]`` keys, batch and head independent."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (first[kv_idx] <= q_idx) & (q_idx < last[kv_idx])
+
+    return create_block_mask(mask_mod, None, None, num_queries, first.numel(), device=first.device)
+
+
+class BlockAttention:
+    """What one event's queries attend with in every layer: ``attention(q [1, n, Hq, D], keys, values
+    [1, p + n, Hkv, D], scale)`` over ``[prefix; block]``. ``tree``: the block holds more than one chain
+    (a chain needs no mask on SDPA)."""
+
+    def __init__(self, subtree_end: torch.Tensor, start: int, end: int, position: int, tree: bool):
+        self.subtree_end, self.position, self.tree = subtree_end, position, tree
+        self.start, self.end = start, end
+        self.kernel: str | None = None  # "fa4" or "sdpa", decided on the first layer's call
+        self.mask = None  # the BlockMask (fa4), the additive mask (sdpa, a tree), or None (sdpa, a chain)
+
+    def __call__(self, q, keys, values, scale=None):
+        if self.kernel is None:
+            self.kernel = "fa4" if runs_fa4(q) else "sdpa"
+            if self.kernel == "fa4":
+                first, last = block_rule(self.subtree_end, self.start, self.end, self.position)
+                self.mask = rule_block_mask(first, last, self.end - self.start)
+            elif self.tree:
+                self.mask = additive_mask(span_mask(self.subtree_end, self.start, self.end, self.position),
+                                          q.dtype)
+        if self.kernel == "fa4":
+            return flex_attention(q, keys, values, self.mask, scale=scale, kernel="flash")
+        if self.mask is None:
+            return suffix_causal(q, keys, values, scale)
+        return prefix_tree(q, keys, values, self.mask, scale)
