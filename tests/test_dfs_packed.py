@@ -220,6 +220,27 @@ def test_memory_limited_auto_on_a_large_set_chooses_dfs_and_meets_its_targets():
     assert names["agentic: GPU busy (kernel time / wall) of a dfs step >= 0.85"]["met"]
 
 
+def test_the_checkpointed_dfs_row_runs_longer_blocks_checkpointed_and_restores_the_model():
+    model = small_model()
+    engine = {"block_tokens": 32, "token_budget": 256}
+    with bench_train.row_settings(model, "packed", engine) as (mode, settings):
+        assert (mode, settings, model.gradient_checkpointing) == ("packed", engine, False)
+    with pytest.raises(RuntimeError, match="stop"), bench_train.row_settings(model, "dfs-ckpt", engine) as (
+            mode, settings):
+        assert (mode, settings["block_tokens"], model.gradient_checkpointing) == ("dfs", 128, True)
+        raise RuntimeError("stop")
+    assert not model.gradient_checkpointing and engine["block_tokens"] == 32
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rows = bench_train.train_rows(model, optimizer, CostModel(), ["agentic"], quick=True, reps=1, **engine)
+    assert [r["mode"] for r in rows] == ["flat", "packed", "dfs", "dfs-ckpt", "auto"]
+    by = {(r["set"], r["mode"]): r for r in rows}
+    assert by[("agentic", "dfs-ckpt")]["recomputed_tokens"] <= by[("agentic", "dfs")]["recomputed_tokens"]
+    profiles = [{"set": "agentic", "mode": m, "busy_share": 0.5} for m in ("dfs", "dfs-ckpt")]
+    names = {c["target"] for c in bench_train.targets(rows, [], profiles)}
+    assert {"agentic: dfs >= 0.8 x packed", "agentic: dfs-ckpt >= 0.8 x packed",
+            "agentic: GPU busy (kernel time / wall) of a dfs-ckpt step >= 0.85"} <= names
+
+
 @pytest.mark.skipif(not FA4_HERE, reason="FlashAttention-4 needs a Hopper-class GPU and the [hopper] extra")
 @pytest.mark.parametrize("seed", [2, 5])
 def test_dfs_blocks_run_fa4_with_the_gradients_of_fp32_flat(monkeypatch, seed):
@@ -232,6 +253,7 @@ def test_dfs_blocks_run_fa4_with_the_gradients_of_fp32_flat(monkeypatch, seed):
     trie = RolloutTrie.from_sequences(seqs)
     tree_backward(reference, trie, None, mode="flat")
     want = bench_train.flat_gradient(reference)
+    monkeypatch.setattr(block_attention, "FA4_MIN_BLOCK_WORK", 0)  # every block on FA4, however small
     kernels = []
     run_flex = block_attention.flex_attention
     monkeypatch.setattr(block_attention, "flex_attention",

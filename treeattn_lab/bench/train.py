@@ -4,7 +4,8 @@ A step is ``zero_grad`` + :func:`treeattn_lab.engine.tree_backward` + ``AdamW.st
 TinyLM with random weights (on a GPU about 0.49B parameters, bf16: 24 layers, width 1024, 8 query heads
 and 2 kv heads of 128, SwiGLU 4864, vocabulary 32000), over each bundled rollout set. Modes: ``flat``
 (every rollout on its own, padded), ``packed`` (tree attention over the packed trie), ``dfs`` (path
-materialization) and ``auto`` (the cost model, calibrated on this device first, picks per micro-batch).
+materialization), ``dfs-ckpt`` (dfs with the model's layers checkpointed, in blocks four times longer)
+and ``auto`` (the cost model, calibrated on this device first, picks per micro-batch among the first three).
 
 Reported per (set, mode): step time, throughput in flat tokens per second (the tokens a flat trainer
 would process, so modes compare directly), speed-up over flat, peak CUDA memory of the backward call
@@ -17,6 +18,7 @@ the bf16 gradient error. On a CPU a tiny model on small subsets runs the same co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -39,6 +41,12 @@ from .harness import (
 )
 
 SETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
+# a row beside the engine's modes: dfs with the model's layers checkpointed (each layer keeps only its
+# input for backward and recomputes the rest), so that blocks CHECKPOINTED_BLOCKS times longer fit in
+# less memory than dfs's own blocks: fewer, larger calls, which is what fills a GPU
+CHECKPOINTED_DFS = "dfs-ckpt"
+CHECKPOINTED_BLOCKS = 4
+DFS_ROWS = ("dfs", CHECKPOINTED_DFS)
 # run flat and auto only (one timed step each), auto under --memory-limit-gib (see rollout_set)
 LARGE_SETS = ("agentic_x2", "agentic_x4")
 LLAMA_05B = TinyLMConfig(vocab_size=32000, dim=1024, n_layers=24, n_heads=8, n_kv_heads=2, ffn_dim=4864)
@@ -195,9 +203,9 @@ def _target(name: str, value: float, goal: float, lower_is_better: bool = False)
 def targets(rows: list[dict], precision: list[dict], profiles: list[dict] = ()) -> list[dict]:
     """The engine's targets on this run's rows: ``auto`` at least 0.8 x token ratio x flat where the trie
     shares (0.95 x flat where it does not) and 0.95 x the best mode; on a large set under a memory limit,
-    auto choosing dfs and beating flat; dfs at least 0.8 x packed on the agentic set with at most a
-    quarter of its peak memory, and 0.8 x flat on low_sharing; the GPU busy at least 85% of a profiled
-    dfs step; and every mode's bf16 gradient within 2e-2 of fp32 flat."""
+    auto choosing dfs and beating flat; for each dfs row (:func:`dfs_targets`) at least 0.8 x packed on
+    the agentic set with at most a quarter of its peak memory, and 0.8 x flat on low_sharing; the GPU busy
+    at least 85% of a profiled dfs step; and every mode's bf16 gradient within 2e-2 of fp32 flat."""
     by = {(r["set"], r["mode"]): r for r in rows}
     out = []
     for name in sorted({r["set"] for r in rows}):
@@ -224,35 +232,43 @@ def targets(rows: list[dict], precision: list[dict], profiles: list[dict] = ()) 
                 0.95,
             )
         )
-    dfs, packed = by.get(("agentic", "dfs")), by.get(("agentic", "packed"))
+    for row in DFS_ROWS:
+        out += dfs_targets(by, row)
+    for p in profiles:
+        if p["mode"] in DFS_ROWS and "busy_share" in p:
+            name = f"{p['set']}: GPU busy (kernel time / wall) of a {p['mode']} step >= 0.85"
+            out.append(_target(name, p["busy_share"], 0.85))
+    for p in precision:
+        out.append(_target(f"bf16 {p['mode']} grad vs fp32 flat <= 2e-2", p["grad_rel_err"], 2e-2, True))
+    return out
+
+
+def dfs_targets(by: dict, row: str) -> list[dict]:
+    """The targets of dfs row ``row`` (``"dfs"`` or :data:`CHECKPOINTED_DFS`): at least 0.8 x packed on
+    the agentic set with at most a quarter of its peak memory (total, and above the static), and 0.8 x
+    flat on low_sharing."""
+    out = []
+    dfs, packed = by.get(("agentic", row)), by.get(("agentic", "packed"))
     if dfs and packed:
-        out.append(_target("agentic: dfs >= 0.8 x packed", dfs["tokens_per_s"] / packed["tokens_per_s"], 0.8))
+        speed = dfs["tokens_per_s"] / packed["tokens_per_s"]
+        out.append(_target(f"agentic: {row} >= 0.8 x packed", speed, 0.8))
     if dfs and packed and dfs["peak_gib"] is not None:
         out.append(
             _target(
-                "agentic: dfs peak <= 0.25 x packed peak", dfs["peak_gib"] / packed["peak_gib"], 0.25, True
+                f"agentic: {row} peak <= 0.25 x packed peak", dfs["peak_gib"] / packed["peak_gib"], 0.25, True
             )
         )
         out.append(
             _target(
-                "agentic: dfs activation peak <= 0.25 x packed (above static)",
+                f"agentic: {row} activation peak <= 0.25 x packed (above static)",
                 dfs["activation_gib"] / packed["activation_gib"],
                 0.25,
                 True,
             )
         )
-    dfs, flat = by.get(("low_sharing", "dfs")), by.get(("low_sharing", "flat"))
+    dfs, flat = by.get(("low_sharing", row)), by.get(("low_sharing", "flat"))
     if dfs and flat:
-        out.append(_target("low_sharing: dfs >= 0.8 x flat", dfs["speedup"], 0.8))
-    for p in profiles:
-        if p["mode"] == "dfs" and "busy_share" in p:
-            out.append(
-                _target(
-                    f"{p['set']}: GPU busy (kernel time / wall) of a dfs step >= 0.85", p["busy_share"], 0.85
-                )
-            )
-    for p in precision:
-        out.append(_target(f"bf16 {p['mode']} grad vs fp32 flat <= 2e-2", p["grad_rel_err"], 2e-2, True))
+        out.append(_target(f"low_sharing: {row} >= 0.8 x flat", dfs["speedup"], 0.8))
     return out
 
 
@@ -303,29 +319,48 @@ def bench_trie(name: str, quick: bool) -> RolloutTrie:
     return RolloutTrie.from_sequences(rollout_set(name, shrink=32, first=12) if quick else rollout_set(name))
 
 
+@contextlib.contextmanager
+def row_settings(model, row: str, engine: dict):
+    """``(engine mode, engine settings)`` of table row ``row``: an engine mode as it is, or
+    :data:`CHECKPOINTED_DFS`: mode dfs in blocks :data:`CHECKPOINTED_BLOCKS` times longer, the model's
+    layers checkpointed while it runs (and as they were afterwards)."""
+    if row != CHECKPOINTED_DFS:
+        yield row, engine
+        return
+    before = model.gradient_checkpointing
+    model.gradient_checkpointing = True
+    try:
+        yield "dfs", {**engine, "block_tokens": engine["block_tokens"] * CHECKPOINTED_BLOCKS}
+    finally:
+        model.gradient_checkpointing = before
+
+
 def train_rows(
     model, optimizer, cost_model, sets, *, quick: bool, reps: int, memory_limit=None, **engine
 ) -> list[dict]:
-    """One row per (set, mode): the step of :func:`timed_steps`, the trie's sizes and the speed-up.
-    A set of :data:`LARGE_SETS` runs flat, and auto under ``memory_limit`` (bytes)."""
+    """One row per (set, row): the step of :func:`timed_steps`, the trie's sizes and the speed-up; rows
+    are the engine's modes, :data:`CHECKPOINTED_DFS` and auto. A set of :data:`LARGE_SETS` runs flat, and
+    auto under ``memory_limit`` (bytes)."""
     rows = []
-    modes = {name: (("flat",) if name in LARGE_SETS else MODES) + ("auto",) for name in sets}
+    modes = {name: (("flat",) if name in LARGE_SETS else (*MODES, CHECKPOINTED_DFS)) + ("auto",)
+             for name in sets}
     jobs = [(name, mode) for name in sets for mode in modes[name]]
     for name, mode in tqdm(jobs, desc="bench train", unit="step"):
         trie = bench_trie(name, quick)
         limit = memory_limit if name in LARGE_SETS and mode == "auto" else None
         stats = trie.stats()
-        r = timed_steps(
-            model,
-            optimizer,
-            trie,
-            mode=mode,
-            reps=1 if quick or name in LARGE_SETS else reps,
-            warmup=1,
-            cost_model=cost_model,
-            memory_limit=limit,
-            **engine,
-        )
+        with row_settings(model, mode, engine) as (engine_mode, settings):
+            r = timed_steps(
+                model,
+                optimizer,
+                trie,
+                mode=engine_mode,
+                reps=1 if quick or name in LARGE_SETS else reps,
+                warmup=1,
+                cost_model=cost_model,
+                memory_limit=limit,
+                **settings,
+            )
         rows.append(
             {
                 "set": name,
@@ -403,11 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = train_rows(
         model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit, **engine
     )
-    profiles = [
-        {"set": name, **profile_step(model, bench_trie(name, quick), mode=m, cost_model=cost_model, **engine)}
-        for name in args.profile
-        for m in ("packed", "dfs")
-    ]
+    profiles = []
+    for name in args.profile:
+        for row in ("packed", *DFS_ROWS):
+            with row_settings(model, row, engine) as (mode, settings):
+                trie = bench_trie(name, quick)
+                step = profile_step(model, trie, mode=mode, cost_model=cost_model, **settings)
+            profiles.append({"set": name, **step, "mode": row})
     subset = [s[:1024] for s in load_rollouts("grpo_math")[: 4 if quick else 32]]
     precision = precision_check(
         model, subset, block_tokens=engine["block_tokens"], token_budget=min(engine["token_budget"], 8192)

@@ -15,11 +15,13 @@ with ``ends[j] = min(subtree_end[start + j] - start, n)``: the end of key ``j``'
 Two kernels run it, decided on the event's first layer call and shared by all its layers with one mask:
 
 - **FlashAttention-4** where it runs (CUDA compute capability >= 9.0 with the ``[hopper]`` extra, fp16 /
-  bf16, ``ops/fa4_tree.py``): FlexAttention's FLASH backend with the rule's ``BlockMask``. The prefix is
-  whole 128 x 128 tiles that run unmasked, tiles the block's tree leaves empty are skipped, and only the
-  tiles it cuts evaluate the rule;
+  bf16, ``ops/fa4_tree.py``) and the call is large enough to pay for it (:data:`FA4_MIN_BLOCK_WORK`):
+  FlexAttention's FLASH backend with the rule's ``BlockMask``. The prefix is whole 128 x 128 tiles that
+  run unmasked, tiles the block's tree leaves empty are skipped, and only the tiles it cuts evaluate the
+  rule;
 - **SDPA** elsewhere: causal aligned to the bottom right for a chain (FlashAttention on CUDA), and for a
-  block holding a tree an explicit additive mask, built once and read by every layer.
+  block holding a tree an explicit additive mask, built once and read by every layer. A masked SDPA
+  kernel computes the whole ``n x (p + n)`` rectangle, the pairs the mask hides included.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from ..ops.fa4_tree import runs_fa4
 from ..ops.flex import flex_attention
 from .attention import prefix_tree, suffix_causal
 
-__all__ = ["BlockAttention", "additive_mask", "block_rule", "span_mask"]
+__all__ = ["FA4_MIN_BLOCK_WORK", "BlockAttention", "additive_mask", "block_rule", "span_mask"]
+
+# A block runs FA4 when ``queries x keys x query heads x head dim`` (its SDPA rectangle's work) is at least
+# this. Each FA4 call costs the host a fixed price (FlexAttention's compiled call and FA4's launch path)
+# that a small block's attention does not earn back: on the H200 the 0.49B TinyLM's DFS step runs its
+# 4096-token blocks (median work 2^34) faster with every block on SDPA, and its checkpointed 16384-token
+# blocks (median 2^37) faster with every block on FA4, on the agentic and the low-sharing sets alike.
+FA4_MIN_BLOCK_WORK = 2**36
 
 
 def block_rule(subtree_end: torch.Tensor, start: int, end: int, position: int):
@@ -83,7 +92,8 @@ class BlockAttention:
 
     def __call__(self, q, keys, values, scale=None):
         if self.kernel is None:
-            self.kernel = "fa4" if runs_fa4(q) else "sdpa"
+            work = q.shape[1] * keys.shape[1] * q.shape[2] * q.shape[3]
+            self.kernel = "fa4" if runs_fa4(q) and work >= FA4_MIN_BLOCK_WORK else "sdpa"
             if self.kernel == "fa4":
                 first, last = block_rule(self.subtree_end, self.start, self.end, self.position)
                 self.mask = rule_block_mask(first, last, self.end - self.start)
