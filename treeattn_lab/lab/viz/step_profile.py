@@ -74,8 +74,9 @@ def with_model_calls(
 def committed_profile_rows(payload: Mapping) -> list[dict]:
     """The ``profile`` rows of a ``bench train`` result (as :func:`~treeattn_lab.lab.viz.load_bench_results`
     returns it), each labelled with the GPU it ran on and the model calls its step made on its set's trie
-    under the run's ``block_tokens``, ``token_budget`` and cost model."""
-    from ...bench.train import bench_trie
+    under the run's ``block_tokens``, ``token_budget`` and cost model (a ``dfs-ckpt`` row: dfs calls in its
+    longer blocks)."""
+    from ...bench.train import CHECKPOINTED_BLOCKS, CHECKPOINTED_DFS, bench_trie
     from ...engine import CostModel
 
     if not payload.get("profile"):
@@ -83,17 +84,20 @@ def committed_profile_rows(payload: Mapping) -> list[dict]:
     cost_model = CostModel.from_dict(payload["cost_model"]) if "cost_model" in payload else None
     machine = payload["environment"]["device"]
     tries = {name: bench_trie(name, payload["quick"]) for name in {r["set"] for r in payload["profile"]}}
-    return [
-        with_model_calls(
-            r,
+
+    def labelled(r: Mapping) -> dict:
+        checkpointed = r["mode"] == CHECKPOINTED_DFS
+        row = with_model_calls(
+            {**r, "mode": "dfs"} if checkpointed else r,
             tries[r["set"]],
             machine=machine,
-            block_tokens=payload["block_tokens"],
+            block_tokens=payload["block_tokens"] * (CHECKPOINTED_BLOCKS if checkpointed else 1),
             token_budget=payload["token_budget"],
             cost_model=cost_model,
         )
-        for r in payload["profile"]
-    ]
+        return {**row, "mode": r["mode"]}
+
+    return [labelled(r) for r in payload["profile"]]
 
 
 def _check_rows(rows: Sequence[Mapping]) -> None:
