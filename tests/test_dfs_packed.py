@@ -16,6 +16,7 @@ from treeattn_lab import RolloutTrie
 from treeattn_lab.bench import train as bench_train
 from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, block_attention, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
+from treeattn_lab.engine.adapters import adapt
 from treeattn_lab.engine.attention import prefix_tree
 from treeattn_lab.ops.fa4_tree import fa4_available
 from treeattn_lab.ops.flex import flex_attention
@@ -87,6 +88,27 @@ def test_a_block_sees_the_whole_prefix_and_the_tree_rule_inside_it(seqs, order, 
         bias = block_attention.additive_mask(mask, torch.float32)  # what the layers attend under on SDPA
         assert torch.equal(bias == 0, mask) and bool(torch.isneginf(bias[~mask]).all())
         assert bias.stride(0) % 16 == 0
+
+
+def test_a_walk_runs_one_kernel_chosen_by_its_median_block(monkeypatch):
+    q = torch.zeros(1, 5, 8, 128, dtype=torch.bfloat16)  # 8 heads of 128: work = rectangle x 1024
+    rectangles = [2**20, 2**26, 2**26, 2**30]
+    assert block_attention.WalkKernel(rectangles).median_rectangle == 2**26
+    assert block_attention.WalkKernel([]).median_rectangle == 0
+    assert block_attention.WalkKernel(rectangles)(q) == "sdpa"  # no FA4 on this machine
+    monkeypatch.setattr(block_attention, "runs_fa4", lambda q: True)
+    assert block_attention.WalkKernel(rectangles)(q) == "fa4"  # 2^26 x 1024 = the threshold
+    assert block_attention.WalkKernel([2**25] * 3 + [2**40])(q) == "sdpa"  # one large block among small
+    walk_kernel = block_attention.WalkKernel(rectangles)
+    assert walk_kernel(q) == "fa4"
+    monkeypatch.setattr(block_attention, "runs_fa4", lambda q: False)
+    assert walk_kernel(q) == "fa4"  # decided once: every later event and layer of the walk runs it
+    pack = RolloutTrie.from_sequences(SUBTREES).pack()
+    events = engine_dfs.walk(pack, 8, push_blocks=engine_dfs.PUSH_BLOCKS)[1]
+    state = engine_dfs._path_state(adapt(small_model()), pack, events, with_grads=False)
+    want = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
+    assert state.kernel.median_rectangle == want[(len(want) - 1) // 2]
+    assert all(engine_dfs.block_attention(state, b).kernel is state.kernel for _, b in events)
 
 
 def long_forest(seed: int) -> list[list[int]]:
@@ -253,7 +275,7 @@ def test_dfs_blocks_run_fa4_with_the_gradients_of_fp32_flat(monkeypatch, seed):
     trie = RolloutTrie.from_sequences(seqs)
     tree_backward(reference, trie, None, mode="flat")
     want = bench_train.flat_gradient(reference)
-    monkeypatch.setattr(block_attention, "FA4_MIN_BLOCK_WORK", 0)  # every block on FA4, however small
+    monkeypatch.setattr(block_attention, "FA4_MIN_WALK_WORK", 0)  # every walk on FA4, however small
     kernels = []
     run_flex = block_attention.flex_attention
     monkeypatch.setattr(block_attention, "flex_attention",

@@ -12,16 +12,21 @@ over two int32 vectors of length ``p + n``::
 with ``ends[j] = min(subtree_end[start + j] - start, n)``: the end of key ``j``'s subtree inside the block
 (``n`` everywhere in a chain, where the rule is causal attention aligned to the bottom right).
 
-Two kernels run it, decided on the event's first layer call and shared by all its layers with one mask:
+Two kernels run it, one for a whole walk (:class:`WalkKernel`), decided on its first layer call; each
+event builds its mask once and every layer reads it:
 
 - **FlashAttention-4** where it runs (CUDA compute capability >= 9.0 with the ``[hopper]`` extra, fp16 /
-  bf16, ``ops/fa4_tree.py``) and the call is large enough to pay for it (:data:`FA4_MIN_BLOCK_WORK`):
-  FlexAttention's FLASH backend with the rule's ``BlockMask``. The prefix is whole 128 x 128 tiles that
-  run unmasked, tiles the block's tree leaves empty are skipped, and only the tiles it cuts evaluate the
-  rule;
+  bf16, ``ops/fa4_tree.py``) and the walk's blocks are large enough to pay for it
+  (:data:`FA4_MIN_WALK_WORK`): FlexAttention's FLASH backend with the rule's ``BlockMask``. The prefix is
+  whole 128 x 128 tiles that run unmasked, tiles the block's tree leaves empty are skipped, and only the
+  tiles it cuts evaluate the rule;
 - **SDPA** elsewhere: causal aligned to the bottom right for a chain (FlashAttention on CUDA), and for a
-  block holding a tree an explicit additive mask, built once and read by every layer. A masked SDPA
-  kernel computes the whole ``n x (p + n)`` rectangle, the pairs the mask hides included.
+  block holding a tree an explicit additive mask. A masked SDPA kernel computes the whole ``n x (p + n)``
+  rectangle, the pairs the mask hides included.
+
+The choice is the walk's, not the block's: whether FA4's fixed host cost per call is paid back depends on
+whether the step is bound by the host (many small blocks: every microsecond the host spends is the step's)
+or by the GPU (large blocks: the host's work hides behind the kernels, and FA4's faster kernels count).
 """
 
 from __future__ import annotations
@@ -32,14 +37,13 @@ from ..ops.fa4_tree import runs_fa4
 from ..ops.flex import flex_attention
 from .attention import prefix_tree, suffix_causal
 
-__all__ = ["FA4_MIN_BLOCK_WORK", "BlockAttention", "additive_mask", "block_rule", "span_mask"]
+__all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "span_mask"]
 
-# A block runs FA4 when ``queries x keys x query heads x head dim`` (its SDPA rectangle's work) is at least
-# this. Each FA4 call costs the host a fixed price (FlexAttention's compiled call and FA4's launch path)
-# that a small block's attention does not earn back: on the H200 the 0.49B TinyLM's DFS step runs its
-# 4096-token blocks (median work 2^34) faster with every block on SDPA, and its checkpointed 16384-token
-# blocks (median 2^37) faster with every block on FA4, on the agentic and the low-sharing sets alike.
-FA4_MIN_BLOCK_WORK = 2**36
+# A walk runs FA4 when its median block's ``queries x keys x query heads x head dim`` (the work of the
+# block's SDPA rectangle) is at least this. On the H200 the 0.49B TinyLM's DFS step ran faster with every
+# block on SDPA for 4096-token blocks (median 2^34) and faster with every block on FA4 for checkpointed
+# 16384-token blocks (median 2^37), on the agentic and the low-sharing sets alike.
+FA4_MIN_WALK_WORK = 2**36
 
 
 def block_rule(subtree_end: torch.Tensor, start: int, end: int, position: int):
@@ -79,28 +83,46 @@ def rule_block_mask(first: torch.Tensor, last: torch.Tensor, num_queries: int):
     return create_block_mask(mask_mod, None, None, num_queries, first.numel(), device=first.device)
 
 
+class WalkKernel:
+    """The attention kernel of every event of one walk: ``"fa4"`` or ``"sdpa"`` (module docstring), chosen
+    on the first call from the first layer's queries and the median of the walk's block rectangles
+    (``queries x keys`` per event, host integers)."""
+
+    def __init__(self, rectangles):
+        rectangles = sorted(rectangles)
+        self.median_rectangle = rectangles[(len(rectangles) - 1) // 2] if rectangles else 0
+        self.name: str | None = None
+
+    def __call__(self, q) -> str:
+        if self.name is None:
+            work = self.median_rectangle * q.shape[-2] * q.shape[-1]
+            self.name = "fa4" if runs_fa4(q) and work >= FA4_MIN_WALK_WORK else "sdpa"
+        return self.name
+
+
 class BlockAttention:
     """What one event's queries attend with in every layer: ``attention(q [1, n, Hq, D], keys, values
-    [1, p + n, Hkv, D], scale)`` over ``[prefix; block]``. ``tree``: the block holds more than one chain
-    (a chain needs no mask on SDPA)."""
+    [1, p + n, Hkv, D], scale)`` over ``[prefix; block]``, by the walk's ``kernel``. ``tree``: the block
+    holds more than one chain (a chain needs no mask on SDPA)."""
 
-    def __init__(self, subtree_end: torch.Tensor, start: int, end: int, position: int, tree: bool):
-        self.subtree_end, self.position, self.tree = subtree_end, position, tree
+    def __init__(self, subtree_end: torch.Tensor, start: int, end: int, position: int, tree: bool,
+                 kernel: WalkKernel):
+        self.subtree_end, self.position, self.tree, self.kernel = subtree_end, position, tree, kernel
         self.start, self.end = start, end
-        self.kernel: str | None = None  # "fa4" or "sdpa", decided on the first layer's call
         self.mask = None  # the BlockMask (fa4), the additive mask (sdpa, a tree), or None (sdpa, a chain)
+        self.built = False
 
     def __call__(self, q, keys, values, scale=None):
-        if self.kernel is None:
-            work = q.shape[1] * keys.shape[1] * q.shape[2] * q.shape[3]
-            self.kernel = "fa4" if runs_fa4(q) and work >= FA4_MIN_BLOCK_WORK else "sdpa"
-            if self.kernel == "fa4":
+        fa4 = self.kernel(q) == "fa4"
+        if not self.built:
+            if fa4:
                 first, last = block_rule(self.subtree_end, self.start, self.end, self.position)
                 self.mask = rule_block_mask(first, last, self.end - self.start)
             elif self.tree:
                 self.mask = additive_mask(span_mask(self.subtree_end, self.start, self.end, self.position),
                                           q.dtype)
-        if self.kernel == "fa4":
+            self.built = True
+        if fa4:
             return flex_attention(q, keys, values, self.mask, scale=scale, kernel="flash")
         if self.mask is None:
             return suffix_causal(q, keys, values, scale)

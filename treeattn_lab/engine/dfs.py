@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import features_and_head
-from .block_attention import BlockAttention
+from .block_attention import BlockAttention, WalkKernel
 
 
 @dataclass(frozen=True)
@@ -135,11 +135,15 @@ def event_block(blocks: list[Block], group: list[int]) -> Block:
 class PathState:
     """Per-layer K/V of the active path and fp32 gradient buffers beside them, indexed by position
     (``with_grads=False``: no gradient buffers, for a pass without autograd). ``subtree_end``: the pack's
-    visibility vector on the model's device (what a packed span's attention mask is cut from)."""
+    visibility vector on the model's device (what a packed span's attention mask is cut from).
+    ``kernel``: the attention kernel of the walk (:class:`~.block_attention.WalkKernel`; None: one for no
+    blocks, which runs SDPA)."""
 
-    def __init__(self, num_layers: int, max_len: int, with_grads: bool = True, subtree_end=None):
+    def __init__(self, num_layers: int, max_len: int, with_grads: bool = True, subtree_end=None,
+                 kernel: WalkKernel | None = None):
         self.num_layers, self.max_len, self.with_grads = num_layers, max_len, with_grads
         self.subtree_end = subtree_end
+        self.kernel = WalkKernel([]) if kernel is None else kernel
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.grad_k: list[torch.Tensor | None] = [None] * num_layers
@@ -167,7 +171,7 @@ class PathState:
 
 def block_attention(state: PathState, block: Block) -> BlockAttention:
     """The attention a block's queries run over the stored prefix and the block in every layer."""
-    return BlockAttention(state.subtree_end, block.start, block.end, block.position, block.tree)
+    return BlockAttention(state.subtree_end, block.start, block.end, block.position, block.tree, state.kernel)
 
 
 def _after_prefix(attend, q, k, v, prefix_k, prefix_v, scale):
@@ -316,9 +320,12 @@ def walk(pack, block_tokens: int, *, packed_subtrees: bool = True, push_blocks: 
     return blocks, (merge_pushes(events, push_blocks * block_tokens) if push_blocks > 1 else events)
 
 
-def _path_state(adapter, pack, with_grads: bool) -> PathState:
+def _path_state(adapter, pack, events, with_grads: bool) -> PathState:
+    """The path of a walk over ``pack`` with ``events``, its attention kernel chosen for their blocks."""
     longest = int(pack._cpu("seq_lengths").max())
-    return PathState(adapter.num_layers, longest, with_grads, subtree_end=pack.subtree_end)
+    rectangles = [(b.end - b.start) * (b.end - b.start + b.position) for _, b in events]
+    return PathState(adapter.num_layers, longest, with_grads, subtree_end=pack.subtree_end,
+                     kernel=WalkKernel(rectangles))
 
 
 def _features(adapter, pack, b: Block, attention):
@@ -341,7 +348,7 @@ def run_dfs(adapter, pack, plan, block_tokens: int, scores=None, *, packed_subtr
     scores = LinearScores(plan) if scores is None else scores
     push_blocks = PUSH_BLOCKS if packed_subtrees else 1
     blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees, push_blocks=push_blocks)
-    state = _path_state(adapter, pack, with_grads=True)
+    state = _path_state(adapter, pack, events, with_grads=True)
     entry_logp = _entry_logps(plan, adapter, pack)
     grad_tokens = no_grad_tokens = 0
     for event, b in events:
@@ -382,7 +389,7 @@ def dfs_logprobs(
     ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens", "path_bytes"}``.
     """
     _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
-    state = _path_state(adapter, pack, with_grads=False)
+    state = _path_state(adapter, pack, events, with_grads=False)
     entry_logp = _entry_logps(plan, adapter, pack)
     entry_entropy = torch.zeros_like(entry_logp) if entropy else None
     for event, b in events:
