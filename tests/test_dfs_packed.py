@@ -242,6 +242,14 @@ def test_memory_limited_auto_on_a_large_set_chooses_dfs_and_meets_its_targets():
     assert names["agentic: GPU busy (kernel time / wall) of a dfs step >= 0.85"]["met"]
 
 
+def test_a_memory_limit_the_calibration_cannot_honour_stops_the_bench_before_any_step(tmp_path):
+    args = ["--quick", "--sets", "agentic_x2", "--memory-limit-gib", "1", "--calibration-s", "0.5",
+            "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="--memory-limit-gib needs .* peak memory measured.*--calibration-s"):
+        bench_train.main(args)  # a CPU measures no peak memory
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_checkpointed_dfs_row_runs_longer_blocks_checkpointed_and_restores_the_model():
     model = small_model()
     engine = {"block_tokens": 32, "token_budget": 256}

@@ -430,11 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     cost_model = calibrate(model, **engine, seconds=args.calibration_s, use_cache=False)
     limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30
     if limit is not None and not measures_memory(cost_model):
-        print(
-            f"warning: the cost model measured no peak memory on {device} (calibrated: "
-            f"{cost_model.calibrated}); the large sets run auto without a memory limit"
+        raise SystemExit(
+            f"--memory-limit-gib needs a cost model calibrated with every mode's peak memory measured; on "
+            f"{device} calibration gave calibrated={cost_model.calibrated}, memory fits "
+            f"{ {m: cost_model.fit_info.get(m, {}).get('memory') for m in MODES} } in "
+            f"{args.calibration_s:g} s: raise --calibration-s (memory is measured on CUDA only)"
         )
-        limit = None
     rows = train_rows(
         model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit, **engine
     )
