@@ -2,6 +2,7 @@
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given
 
@@ -161,6 +162,36 @@ def test_to_device_copy(seqs, order):
     meta = pack.to("meta")
     assert meta.device.type == "meta" and meta.input_ids.device.type == "meta"
     assert meta.num_tokens == pack.num_tokens and meta.num_sequences == len(seqs)
+
+
+def test_cached_builds_once_per_key_and_a_moved_pack_starts_its_own():
+    pack = build([[1, 2, 3], [1, 2, 4]], "insertion")
+    calls = []
+
+    def builder(tag):
+        def build_it():
+            calls.append(tag)
+            return [tag]
+        return build_it
+
+    first = pack.cached(("probe", 1), builder("a"))
+    assert first == ["a"] and pack.cached(("probe", 1), builder("b")) is first
+    assert pack.cached(("probe", 2), builder("c")) == ["c"]
+    assert calls == ["a", "c"], "build() ran again for a cached key, or not for a new one"
+
+    def refuse():
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        pack.cached("failing", refuse)
+    assert "failing" not in pack._cache, "a build that raised left an entry behind"
+
+    moved = pack.to("cpu")
+    assert moved.cached(("probe", 1), builder("d")) == ["d"], "the moved pack read the original's cache"
+    moved.cached(("probe", 3), builder("e"))
+    assert ("probe", 3) not in pack._cache and pack.cached(("probe", 1), builder("f")) is first
+    assert calls == ["a", "c", "d", "e"]
+    assert moved.seq_index(1) is moved.seq_index(1) and moved.seq_index(1) is not pack.seq_index(1)
 
 
 def test_repr():

@@ -31,6 +31,10 @@ class TreePack:
     the token), ``node_id`` and ``subtree_end`` (int32). Per node: ``node_start`` / ``node_end`` (packed
     range of the node's own tokens, empty for the root) and ``node_subtree_end``. Per sequence:
     ``seq_lengths`` and ``seq_end_node``; ``seq_index(i)`` gives the packed positions of sequence i.
+
+    A pack is not changed once built: what is derived from it (sequence indices, block masks, backend
+    plans, tile schedules) is computed once per pack and kept on it (:meth:`cached`). :meth:`to` makes a
+    copy whose cache starts empty, since a cached result may live on the old device.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -125,54 +129,57 @@ class TreePack:
         if not -n <= i < n:
             raise IndexError(f"sequence index {i} out of range for {n} sequences")
         i = i % n
-        key = ("seq_index", i)
-        if key not in self._cache:
-            start, end = self._cpu("node_start"), self._cpu("node_end")
-            path = self.node_path(int(self._cpu("seq_end_node")[i]))
-            idx = torch.cat([torch.arange(int(start[p]), int(end[p])) for p in path])
-            self._cache[key] = idx.to(self.device)
-        return self._cache[key]
+        return self.cached(("seq_index", i), lambda: self._build_seq_index(i))
+
+    def _build_seq_index(self, i: int) -> torch.Tensor:
+        start, end = self._cpu("node_start"), self._cpu("node_end")
+        path = self.node_path(int(self._cpu("seq_end_node")[i]))
+        return torch.cat([torch.arange(int(start[p]), int(end[p])) for p in path]).to(self.device)
 
     def sequence_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions, offsets)`` on the CPU: every sequence's packed positions, sequences concatenated;
         sequence i owns ``positions[offsets[i]:offsets[i + 1]]`` (its :meth:`seq_index`). Built at once
         from the packed range of each (sequence, node on its path) pair, and cached."""
-        if "sequence_positions" not in self._cache:
-            ends = self._cpu("seq_end_node").tolist()
-            path_nodes = [n for end in ends for n in self.node_path(end)]
-            starts = self._cpu("node_start")[path_nodes]
-            sizes = self._cpu("node_end")[path_nodes] - starts
-            before = sizes.cumsum(0) - sizes  # concatenated positions before each range
-            positions = torch.arange(int(sizes.sum())) + torch.repeat_interleave(starts - before, sizes)
-            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self._cpu("seq_lengths").cumsum(0)])
-            self._cache["sequence_positions"] = (positions, offsets)
-        return self._cache["sequence_positions"]
+        return self.cached("sequence_positions", self._build_sequence_positions)
+
+    def _build_sequence_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ends = self._cpu("seq_end_node").tolist()
+        path_nodes = [n for end in ends for n in self.node_path(end)]
+        starts = self._cpu("node_start")[path_nodes]
+        sizes = self._cpu("node_end")[path_nodes] - starts
+        before = sizes.cumsum(0) - sizes  # concatenated positions before each range
+        positions = torch.arange(int(sizes.sum())) + torch.repeat_interleave(starts - before, sizes)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self._cpu("seq_lengths").cumsum(0)])
+        return positions, offsets
 
     def padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index [B, L], valid [B, L])``: packed position of each sequence's token, 0 where padded."""
-        if "padded_index" not in self._cache:
-            B, L = self.num_sequences, int(self.seq_lengths.max())
-            index = torch.zeros(B, L, dtype=torch.int64)
-            valid = torch.zeros(B, L, dtype=torch.bool)
-            for i in range(B):
-                idx = self.seq_index(i).cpu()
-                index[i, : idx.numel()] = idx
-                valid[i, : idx.numel()] = True
-            self._cache["padded_index"] = (index.to(self.device), valid.to(self.device))
-        return self._cache["padded_index"]
+        """``(index [B, L], valid [B, L])``: packed position of each sequence's token, 0 where padded
+        (cached)."""
+        return self.cached("padded_index", self._build_padded_index)
+
+    def _build_padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, L = self.num_sequences, int(self.seq_lengths.max())
+        index = torch.zeros(B, L, dtype=torch.int64)
+        valid = torch.zeros(B, L, dtype=torch.bool)
+        for i in range(B):
+            idx = self.seq_index(i).cpu()
+            index[i, : idx.numel()] = idx
+            valid[i, : idx.numel()] = True
+        return index.to(self.device), valid.to(self.device)
 
     def padded_owner(self) -> torch.Tensor:
-        """``[B, L]`` bool: True at exactly one copy of each packed token (its first sequence)."""
-        if "padded_owner" not in self._cache:
-            index, valid = (x.cpu() for x in self.padded_index())
-            owner = torch.zeros_like(valid)
-            seen = torch.zeros(self.num_tokens, dtype=torch.bool)
-            for i in range(self.num_sequences):
-                idx = index[i][valid[i]]
-                owner[i, : idx.numel()] = ~seen[idx]
-                seen[idx] = True
-            self._cache["padded_owner"] = owner.to(self.device)
-        return self._cache["padded_owner"]
+        """``[B, L]`` bool: True at exactly one copy of each packed token (its first sequence); cached."""
+        return self.cached("padded_owner", self._build_padded_owner)
+
+    def _build_padded_owner(self) -> torch.Tensor:
+        index, valid = (x.cpu() for x in self.padded_index())
+        owner = torch.zeros_like(valid)
+        seen = torch.zeros(self.num_tokens, dtype=torch.bool)
+        for i in range(self.num_sequences):
+            idx = index[i][valid[i]]
+            owner[i, : idx.numel()] = ~seen[idx]
+            seen[idx] = True
+        return owner.to(self.device)
 
     def to_padded(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """Packed ``[T, ...]`` -> padded per-sequence ``[B, L, ...]`` (shared tokens copied per sequence)."""
@@ -216,11 +223,16 @@ class TreePack:
         }
         return replace(self, **moved, _cache={})
 
-    def _cpu(self, name: str) -> torch.Tensor:
-        key = ("cpu", name)
+    def cached(self, key, build):
+        """``build()``, computed on the first call for ``key`` and returned again by later ones (the class
+        docstring): readers keep what they derive from the pack here, keyed by what it depends on (the
+        device included where the result lives on one)."""
         if key not in self._cache:
-            self._cache[key] = getattr(self, name).cpu()
+            self._cache[key] = build()
         return self._cache[key]
+
+    def _cpu(self, name: str) -> torch.Tensor:
+        return self.cached(("cpu", name), lambda: getattr(self, name).cpu())
 
     def _check_packed(self, x: torch.Tensor, name: str) -> None:
         if not isinstance(x, torch.Tensor):

@@ -47,9 +47,7 @@ class LossPlan:
         """Entries of ``pack`` (on the CPU) for weights ``token_weights[i] [len_i]`` (None: all ones; that
         plan depends on the pack alone, so it is built once per pack and cached on it)."""
         if token_weights is None:
-            if "loss_plan" not in pack._cache:
-                pack._cache["loss_plan"] = cls._build(pack, None)
-            return pack._cache["loss_plan"]
+            return pack.cached("loss_plan", lambda: cls._build(pack, None))
         return cls._build(pack, token_weights)
 
     @classmethod

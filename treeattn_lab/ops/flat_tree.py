@@ -86,11 +86,11 @@ def _causal_pairs(lengths: torch.Tensor) -> torch.Tensor:
 
 def _rollout_lengths(pack) -> torch.Tensor:
     """Lengths of the distinct root-to-leaf rollouts, leaves in DFS preorder (CPU int64), cached."""
-    if "rollout_lengths" not in pack._cache:
-        leaves = _leaf_nodes(pack)
-        last = pack.node_end.cpu()[leaves] - 1
-        pack._cache["rollout_lengths"] = pack.position_ids[last.to(pack.device)].cpu().to(torch.int64) + 1
-    return pack._cache["rollout_lengths"]
+    def build() -> torch.Tensor:
+        last = pack.node_end.cpu()[_leaf_nodes(pack)] - 1
+        return pack.position_ids[last.to(pack.device)].cpu().to(torch.int64) + 1
+
+    return pack.cached("rollout_lengths", build)
 
 
 def rollout_pair_ratio(pack) -> float:
@@ -115,11 +115,13 @@ def flat_pair_ratio(pack) -> float:
     attends: :func:`rollout_pair_ratio` plus the padding of rollouts of unequal length. Cached (under
     ``torch.compile`` it must be cached already: :func:`require_cached`)."""
     require_cached(pack, "flat_pair_ratio", "the flat-or-tree decision of backend='auto'")
-    if "flat_pair_ratio" not in pack._cache:
+
+    def build() -> float:
         lengths = _rollout_lengths(pack).tolist()
         padded = sum(len(g) * _causal_pairs(max(lengths[i] for i in g)) for g in group_lengths(lengths))
-        pack._cache["flat_pair_ratio"] = padded / pack.attended_pairs()
-    return pack._cache["flat_pair_ratio"]
+        return padded / pack.attended_pairs()
+
+    return pack.cached("flat_pair_ratio", build)
 
 
 def prefers_flat(pack) -> bool:
@@ -245,9 +247,7 @@ def flat_plan(pack) -> FlatPlan:
     ``torch.compile`` it must be cached already: :func:`require_cached`)."""
     key = ("flat_plan", str(pack.device))
     require_cached(pack, key, "the flat backend's rollout plan")
-    if key not in pack._cache:
-        pack._cache[key] = _build_plan(pack)
-    return pack._cache[key]
+    return pack.cached(key, lambda: _build_plan(pack))
 
 
 # ------------------------------------------------------------------------------------- rows in and out

@@ -23,20 +23,19 @@ def tree_block_mask(pack):
     ``flex_attention`` on ``[1, H, T, D]`` layouts."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = ("flex_block_mask", str(pack.device))
-    if key not in pack._cache:
+    def build():
         T = pack.num_tokens
-        on_gpu = pack.device.type == "cuda"
-        pack._cache[key] = create_block_mask(
+        return create_block_mask(
             pack_mask_mod(pack),
             B=None,
             H=None,
             Q_LEN=T,
             KV_LEN=T,
             device=pack.device,
-            _compile=on_gpu,  # without it, long packs try to allocate T x T on the GPU
+            _compile=pack.device.type == "cuda",  # without it, long packs try to allocate T x T on the GPU
         )
-    return pack._cache[key]
+
+    return pack.cached(("flex_block_mask", str(pack.device)), build)
 
 
 def flex_tree_attention(q, k, v, pack, *, scale=None):

@@ -84,6 +84,4 @@ def partial_tile_share(pack) -> float:
     Cached on the pack (under ``torch.compile`` it must be cached already:
     :func:`~.flat_tree.require_cached`)."""
     require_cached(pack, "partial_tile_share", "the tile census")
-    if "partial_tile_share" not in pack._cache:
-        pack._cache["partial_tile_share"] = tile_census(pack.subtree_end, *FA4_TILE).partial_share
-    return pack._cache["partial_tile_share"]
+    return pack.cached("partial_tile_share", lambda: tile_census(pack.subtree_end, *FA4_TILE).partial_share)

@@ -86,9 +86,7 @@ def varlen_plan(pack) -> VarlenPlan:
     ``torch.compile`` it must be cached already: :func:`~.flat_tree.require_cached`)."""
     key = ("varlen_plan", str(pack.device))
     require_cached(pack, key, "the varlen backend's sequence plan")
-    if key not in pack._cache:
-        pack._cache[key] = _build_plan(pack)
-    return pack._cache[key]
+    return pack.cached(key, lambda: _build_plan(pack))
 
 
 def varlen_mask(plan: VarlenPlan) -> torch.Tensor:
