@@ -462,15 +462,11 @@ def schedule_for(pack, block_m: int, block_n: int) -> dict:
     on every call. Run the model once eagerly (or call this) before compiling to reuse it.
     """
     key = ("triton_tree_schedule", block_m, block_n, str(pack.device))
-    sched = pack._cache.get(key)
-    if sched is not None:
-        return sched
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and key not in pack._cache:
         tensors = tree_schedule_op(pack.subtree_end, block_m, block_n)
         return dict(zip(("fwd_ptr", "fwd_idx", "bwd_ptr", "bwd_idx"), tensors, strict=True),
                     block_m=block_m, block_n=block_n)
-    sched = pack._cache[key] = tile_schedule(pack.subtree_end, block_m, block_n)
-    return sched
+    return pack.cached(key, lambda: tile_schedule(pack.subtree_end, block_m, block_n))
 
 
 def default_configs(head_dim: int, dtype: torch.dtype) -> dict[str, LaunchConfig]:
