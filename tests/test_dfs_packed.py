@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
 
 from tests.conftest import orders, rollout_forests
 from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
@@ -20,6 +21,7 @@ from treeattn_lab.engine.adapters import adapt
 from treeattn_lab.engine.attention import prefix_tree
 from treeattn_lab.ops.fa4_tree import fa4_available
 from treeattn_lab.ops.flex import flex_attention
+from treeattn_lab.patterns.tree import tree_visibility
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
 FA4_HERE = torch.cuda.is_available() and fa4_available("cuda")
@@ -70,21 +72,22 @@ def test_packed_walk_runs_every_token_once_within_the_budget(seqs, order, block_
         assert all(subtree_end[k] >= b.end for k in ancestors)  # ... and of every token in the span
 
 
-@given(rollout_forests(max_sequences=8, max_len=16), orders, st.integers(1, 9))
+@given(rollout_forests(max_sequences=8, max_len=16), orders, st.integers(1, 9), st.booleans(),
+       st.sampled_from([1, engine_dfs.PUSH_BLOCKS]))
 @settings(max_examples=60)
-def test_a_block_sees_the_whole_prefix_and_the_tree_rule_inside_it(seqs, order, block_tokens):
+def test_a_block_sees_the_whole_prefix_and_the_tree_rule_inside_it(seqs, order, block_tokens, packed, pushes):
     pack = RolloutTrie.from_sequences(seqs).pack(order=order)
     subtree_end = pack.subtree_end
-    for _, b in engine_dfs.walk(pack, block_tokens)[1]:
+    visible = tree_visibility(subtree_end)  # [T, T]: the pack's rule
+    for _, b in engine_dfs.walk(pack, block_tokens, packed_subtrees=packed, push_blocks=pushes)[1]:
         n, p = b.end - b.start, b.position
-        q = torch.arange(b.start, b.end)[:, None]
-        k = torch.arange(b.start, b.end)[None, :]
-        rule = (k <= q) & (q < subtree_end[k])
+        ancestors = [k for k in range(b.start) if subtree_end[k] > b.start]  # the stored prefix
+        assert len(ancestors) == p
         mask = block_attention.span_mask(subtree_end, b.start, b.end, p)
-        assert mask.shape == (n, p + n) and bool(mask[:, :p].all())
-        assert torch.equal(mask[:, p:], rule)
-        if not b.tree:  # a chain: causal after the prefix is the rule
-            assert torch.equal(rule, torch.ones(n, n, dtype=torch.bool).tril())
+        want = visible[b.start : b.end][:, ancestors + list(range(b.start, b.end))]
+        assert mask.shape == (n, p + n) and torch.equal(mask, want)
+        if not b.tree:  # a chain (merged pushes too): causal after the prefix is the rule
+            assert torch.equal(mask[:, p:], torch.ones(n, n, dtype=torch.bool).tril())
         bias = block_attention.additive_mask(mask, torch.float32)  # what the layers attend under on SDPA
         assert torch.equal(bias == 0, mask) and bool(torch.isneginf(bias[~mask]).all())
         assert bias.stride(0) % 16 == 0
@@ -108,7 +111,7 @@ def test_a_walk_runs_one_kernel_chosen_by_its_median_block(monkeypatch):
     state = engine_dfs._path_state(adapt(small_model()), pack, events, with_grads=False)
     want = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
     assert state.kernel.median_rectangle == want[(len(want) - 1) // 2]
-    assert all(engine_dfs.block_attention(state, b).kernel is state.kernel for _, b in events)
+    assert all(engine_dfs.attention_of(state, b).kernel is state.kernel for _, b in events)
 
 
 def long_forest(seed: int) -> list[list[int]]:
@@ -126,7 +129,7 @@ def test_the_flex_block_mask_of_a_block_attends_like_its_dense_mask(seed):
     FlexAttention's eager CPU code) gives SDPA's output under the dense mask."""
     g = torch.Generator().manual_seed(seed)
     pack = RolloutTrie.from_sequences(long_forest(seed)).pack()
-    tree_blocks = longest = 0
+    tree_blocks = longest = partial = 0
     for _, b in engine_dfs.walk(pack, 333, push_blocks=engine_dfs.PUSH_BLOCKS)[1]:
         n, p = b.end - b.start, b.position
         q = torch.randn(1, n, 4, 16, generator=g)
@@ -134,14 +137,24 @@ def test_the_flex_block_mask_of_a_block_attends_like_its_dense_mask(seed):
         first, last = block_attention.block_rule(pack.subtree_end, b.start, b.end, p)
         mask = block_attention.span_mask(pack.subtree_end, b.start, b.end, p)
         block_mask = block_attention.rule_block_mask(first, last, n)
-        tiles = block_mask.to_dense()[0, 0].bool()  # [query tiles, key tiles]: True where one is visited
-        seen = torch.nn.functional.pad(mask.float(), (0, -(p + n) % 128, 0, -n % 128))
-        assert torch.equal(tiles, torch.nn.functional.max_pool2d(seen[None], 128)[0].bool())
+        dense = create_block_mask(lambda b_, h, i, j, m=mask: m[i, j], None, None, n, p + n, device="cpu")
+        assert torch.equal(block_mask.to_dense(), dense.to_dense())  # the tiles visited ...
+        assert torch.equal(full_tiles(block_mask), full_tiles(dense))  # ... and those run unmasked
+        partial += int(block_mask.kv_num_blocks.sum())
         got = flex_attention(q, keys, values, block_mask)
         torch.testing.assert_close(got, prefix_tree(q, keys, values, mask), atol=2e-5, rtol=2e-5)
         tree_blocks += b.tree
         longest = max(longest, n)
-    assert tree_blocks and longest > 2 * 128  # blocks of trees, several tiles long
+    assert tree_blocks and longest > 2 * 128 and partial  # blocks of trees, several tiles long, cut tiles
+
+
+def full_tiles(block_mask) -> torch.Tensor:
+    """``[query tiles, key tiles]`` bool: the tiles a BlockMask runs without its mask_mod."""
+    counts, indices = block_mask.full_kv_num_blocks[0, 0], block_mask.full_kv_indices[0, 0]
+    out = torch.zeros(indices.shape, dtype=torch.bool)
+    for row, (count, index) in enumerate(zip(counts.tolist(), indices, strict=True)):
+        out[row, index[:count].long()] = True
+    return out
 
 
 class NanPath(engine_dfs.PathState):
@@ -264,7 +277,7 @@ def test_the_checkpointed_dfs_row_runs_longer_blocks_checkpointed_and_restores_t
     rows = bench_train.train_rows(model, optimizer, CostModel(), ["agentic"], quick=True, reps=1, **engine)
     assert [r["mode"] for r in rows] == ["flat", "packed", "dfs", "dfs-ckpt", "auto"]
     by = {(r["set"], r["mode"]): r for r in rows}
-    assert by[("agentic", "dfs-ckpt")]["recomputed_tokens"] <= by[("agentic", "dfs")]["recomputed_tokens"]
+    assert by[("agentic", "dfs-ckpt")]["recomputed_tokens"] < by[("agentic", "dfs")]["recomputed_tokens"]
     profiles = [{"set": "agentic", "mode": m, "busy_share": 0.5} for m in ("dfs", "dfs-ckpt")]
     names = {c["target"] for c in bench_train.targets(rows, [], profiles)}
     assert {"agentic: dfs >= 0.8 x packed", "agentic: dfs-ckpt >= 0.8 x packed",

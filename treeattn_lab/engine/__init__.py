@@ -10,6 +10,7 @@
   chunks of rows; ``call_plan.py``: argument checks, micro-batches and modes of a call;
   ``rollout_terms.py``: objectives that are sums of per-rollout terms, trained in one pass.
 - ``microbatch.py``: dynamic micro-batching; ``modes.py`` and ``dfs.py``: flat, packed and DFS runs;
+  ``block_attention.py``: a DFS block's attention over the stored prefix (its rule, mask and kernel);
   ``cost_model.py``: predicted time and memory per mode and the ``"auto"`` choice; ``time_fit.py``: the
   work features and the fit of a mode's time, ``max(host, device)`` per micro-batch;
   ``calibration.py``: the measurements it is fitted on; ``nnls.py``: the non-negative least squares solver.

@@ -34,15 +34,15 @@ from __future__ import annotations
 import torch
 
 from ..ops.fa4_tree import runs_fa4
-from ..ops.flex import flex_attention
+from ..ops.flex import block_mask_from_tiles, flex_attention
 from .attention import prefix_tree, suffix_causal
 
 __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "span_mask"]
 
 # A walk runs FA4 when its median block's ``queries x keys x query heads x head dim`` (the work of the
-# block's SDPA rectangle) is at least this. On the H200 the 0.49B TinyLM's DFS step ran faster with every
-# block on SDPA for 4096-token blocks (median 2^34) and faster with every block on FA4 for checkpointed
-# 16384-token blocks (median 2^37), on the agentic and the low-sharing sets alike.
+# block's SDPA rectangle) is at least this: below it the step is bound by the host, which FA4's costlier
+# calls slow down; above it by the GPU, which its faster kernels speed up (the 0.49B TinyLM on the H200,
+# at the block sizes of ``bench train``'s dfs and dfs-ckpt rows).
 FA4_MIN_WALK_WORK = 2**36
 
 
@@ -72,15 +72,29 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(mask, 0.0)
 
 
+FLEX_TILE = 128  # FlexAttention's (and FA4's) tile: 128 queries x 128 keys
+
+
 def rule_block_mask(first: torch.Tensor, last: torch.Tensor, num_queries: int):
     """FlexAttention ``BlockMask`` of the rule over ``[1, H, num_queries, D]`` queries and ``[1, H,
-    len(first), D]`` keys, batch and head independent."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    len(first), D]`` keys, batch and head independent, built from the tiles (no ``n x (p + n)`` mask):
+    query tile ``[a, b)`` meets key ``j`` exactly when ``max(first[j], a) < min(last[j], b)``, and a
+    tile is full when every key of a whole tile satisfies ``first[j] <= a`` and ``b <= last[j]``
+    (tiles cut by the end of the queries or keys are never full, as in ``create_block_mask``)."""
+    n, s = num_queries, first.numel()
+    key_tiles = -(-s // FLEX_TILE)
+    pad = key_tiles * FLEX_TILE - s  # padded keys: first = n, seen by no query
+    f = torch.nn.functional.pad(first, (0, pad), value=n).view(1, key_tiles, FLEX_TILE)
+    l = torch.nn.functional.pad(last, (0, pad), value=0).view(1, key_tiles, FLEX_TILE)
+    a = torch.arange(0, n, FLEX_TILE, device=first.device, dtype=torch.int32)[:, None, None]
+    seen = (torch.maximum(f, a) < torch.minimum(l, (a + FLEX_TILE).clamp(max=n))).any(-1)
+    full = ((f <= a) & (a + FLEX_TILE <= l)).all(-1)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (first[kv_idx] <= q_idx) & (q_idx < last[kv_idx])
 
-    return create_block_mask(mask_mod, None, None, num_queries, first.numel(), device=first.device)
+    return block_mask_from_tiles((seen & ~full)[None], full[None], block_size=FLEX_TILE, mask_mod=mask_mod,
+                                 seq_lengths=(n, s))
 
 
 class WalkKernel:

@@ -28,6 +28,11 @@ each span is one call, without padding.
 In the engine's training walk, consecutive pushes down one chain also run as one call
 (:func:`merge_pushes`): a push keeps no activations for backward.
 
+Every event's queries attend over ``[stored prefix; block]`` through one
+:class:`~.block_attention.BlockAttention` (the rule, its mask built once for all layers), with one kernel
+for the whole walk (:class:`~.block_attention.WalkKernel`: FlashAttention-4 where it runs and the walk's
+blocks are large, SDPA otherwise).
+
 Each tree token is computed with gradients exactly once; blocks with children are also run once without
 (the ``recomputed`` tokens). Peak activation memory is that of one block, plus the path's K/V and
 gradient buffers. Children's K/V gradients are summed into the shared prefix child by child, so the result
@@ -169,7 +174,7 @@ class PathState:
         return sum(t.numel() * t.element_size() for t in bufs)
 
 
-def block_attention(state: PathState, block: Block) -> BlockAttention:
+def attention_of(state: PathState, block: Block) -> BlockAttention:
     """The attention a block's queries run over the stored prefix and the block in every layer."""
     return BlockAttention(state.subtree_end, block.start, block.end, block.position, block.tree, state.kernel)
 
@@ -186,7 +191,7 @@ class PrefixRead:
 
     def __init__(self, state: PathState, block: Block):
         self.state, self.block = state, block
-        self.attend = block_attention(state, block)
+        self.attend = attention_of(state, block)
 
     def __call__(self, layer: int, q, k, v, scale=None):
         st, p = self.state, self.block.position
@@ -200,7 +205,7 @@ class BlockRun:
     def __init__(self, state: PathState, block: Block, with_grad: bool):
         self.state, self.block, self.with_grad = state, block, with_grad
         n = state.num_layers
-        self.attend = block_attention(state, block)
+        self.attend = attention_of(state, block)
         self.prefix_k: list[torch.Tensor | None] = [None] * n  # detached leaves (with_grad only)
         self.prefix_v: list[torch.Tensor | None] = [None] * n
         self.new_k: list[torch.Tensor | None] = [None] * n  # this block's own K/V, kept for injection

@@ -44,6 +44,24 @@ def _compiled(kernel: str):
     return torch.compile(fn, dynamic=dynamic)
 
 
+def block_mask_from_tiles(partial, full, *, block_size: int, mask_mod, seq_lengths):
+    """A batch-independent FlexAttention ``BlockMask`` from its tiles: ``partial`` and ``full``, disjoint
+    ``[H, query tiles, key tiles]`` bools (H = 1: every head alike). Full tiles run without the mask,
+    partial ones evaluate ``mask_mod`` per element, the rest are skipped; ``seq_lengths`` is
+    ``(queries, keys)``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def as_indices(m):  # [H, Q, K] bool -> counts [1, H, Q], indices [1, H, Q, K] (selected first)
+        counts = m.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[None].contiguous(), order[None].contiguous()
+
+    kv_num, kv_idx = as_indices(partial)
+    full_num, full_idx = as_indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=seq_lengths)
+
+
 def flex_attention(q, k, v, block_mask, *, scale=None, kernel: str = "triton"):
     """FlexAttention of ``q [N, Hq, D]`` (or ``[B, N, Hq, D]``) over ``k, v`` with ``Hkv`` heads (grouped
     query attention when ``Hq != Hkv``) under ``block_mask`` (a ``BlockMask``, or a function of no

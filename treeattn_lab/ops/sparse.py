@@ -23,7 +23,7 @@ import torch
 from ..patterns.vertical_slash import VerticalSlashPattern
 from ..reference.sparse import sparse_attention as reference_sparse_attention
 from .backends import available_backends, choose_backend
-from .flex import flex_attention
+from .flex import block_mask_from_tiles, flex_attention
 from .validation import check_qkv, check_scale
 
 
@@ -63,8 +63,6 @@ def flex_block_mask(pattern: VerticalSlashPattern, num_tokens: int):
     the diagonal tiles and every other tile holding one of the head's columns are *partial* (the
     ``mask_mod`` decides per element).
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     key = ("flex_block_mask", num_tokens)
     if key in pattern._cache:
         return pattern._cache[key]
@@ -80,16 +78,8 @@ def flex_block_mask(pattern: VerticalSlashPattern, num_tokens: int):
     full = tiles & ~eye
     partial = ((tiles & eye) | (col_blocks[:, None, :] & causal)) & ~full
 
-    def as_indices(m):  # [H, nB, nB] bool -> counts [1, H, nB], indices [1, H, nB, nB] (selected first)
-        counts = m.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts[None].contiguous(), order[None].contiguous()
-
-    kv_num, kv_idx = as_indices(partial)
-    full_num, full_idx = as_indices(full)
-    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
-                                          mask_mod=pattern.mask_mod(num_tokens), seq_lengths=(num_tokens,
-                                                                                              num_tokens))
+    block_mask = block_mask_from_tiles(partial, full, block_size=bs, mask_mod=pattern.mask_mod(num_tokens),
+                                       seq_lengths=(num_tokens, num_tokens))
     pattern._cache[key] = block_mask
     return block_mask
 
