@@ -255,11 +255,20 @@ def test_memory_limited_auto_on_a_large_set_chooses_dfs_and_meets_its_targets():
     assert names["agentic: GPU busy (kernel time / wall) of a dfs step >= 0.85"]["met"]
 
 
-def test_a_memory_limit_the_calibration_cannot_honour_stops_the_bench_before_any_step(tmp_path):
-    args = ["--quick", "--sets", "agentic_x2", "--memory-limit-gib", "1", "--calibration-s", "0.5",
-            "--out", str(tmp_path)]
+def test_a_memory_limit_that_cannot_act_stops_the_bench_before_any_work(tmp_path, monkeypatch):
+    def run(sets):
+        bench_train.main(["--quick", "--sets", sets, "--memory-limit-gib", "1", "--calibration-s", "0.5",
+                          "--out", str(tmp_path)])
+
+    monkeypatch.setattr(bench_train, "calibrate", lambda *a, **kw: pytest.fail("calibrated first"))
+    with pytest.raises(SystemExit, match="applies to the large sets .* --sets agentic has none"):
+        run("agentic")
+    with pytest.raises(SystemExit, match="peak memory, measured on CUDA only, not cpu"):
+        run("agentic_x2")
+    monkeypatch.setattr(bench_train, "check_memory_limit_applies", lambda sets, device: None)
+    monkeypatch.setattr(bench_train, "calibrate", lambda *a, **kw: CostModel())  # nothing measured
     with pytest.raises(SystemExit, match="--memory-limit-gib needs .* peak memory measured.*--calibration-s"):
-        bench_train.main(args)  # a CPU measures no peak memory
+        run("agentic_x2")
     assert not list(tmp_path.iterdir())
 
 

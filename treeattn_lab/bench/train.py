@@ -94,14 +94,15 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
     CPU tensor as from a device one); on CUDA, device syncs (:data:`DEVICE_SYNC_CALLS`: every host read
     of a device tensor is one, and so is an explicit synchronize), kernel launches, GPU seconds (kernels,
     copies, memsets) and the busy share: GPU seconds / the wall time of the same call run without the
-    profiler (``wall_s``; ``profiled_wall_s`` under it)."""
+    profiler (``wall_s``: the shorter of two runs after a warm-up; ``profiled_wall_s`` under it)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    # a warm-up (caches, autotuning, allocator), then the wall time without the profiler
-    walls = [timed_tree_backward(model, trie, mode=mode, **engine) for _ in range(2)]
+    # a warm-up (caches, autotuning, compiled sizes, allocator), then the wall time without the profiler
+    walls = [timed_tree_backward(model, trie, mode=mode, **engine) for _ in range(3)]
+    unprofiled = min(walls[1:])
     model.zero_grad(set_to_none=True)
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -113,7 +114,7 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
     names = [name for name, _, _ in events]
     row = {
         "mode": mode,
-        "wall_s": walls[-1],
+        "wall_s": unprofiled,
         "profiled_wall_s": wall,
         "aten_ops": sum(n.startswith("aten::") for n in names),
         "host_reads": sum(n in HOST_READ_OPS for n in names),
@@ -124,8 +125,8 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
             device_syncs=sum(n in DEVICE_SYNC_CALLS for n in names),
             kernel_launches=sum(n in KERNEL_LAUNCH_CALLS for n in names),
             kernel_s=busy,
-            busy_share=busy / walls[-1],
-            idle_share=1 - busy / walls[-1],
+            busy_share=busy / unprofiled,
+            idle_share=1 - busy / unprofiled,
         )
     return row
 
@@ -179,7 +180,8 @@ def timed_steps(model, optimizer, trie, *, mode, reps, warmup, **kwargs) -> dict
 
 
 def precision_check(model, seqs, *, block_tokens, token_budget) -> list[dict]:
-    """Relative error of each mode's bf16 (model dtype) gradient against the fp32 flat gradient."""
+    """Relative error of each mode's (and :data:`CHECKPOINTED_DFS`'s) bf16 (model dtype) gradient against
+    the fp32 flat gradient."""
     trie = RolloutTrie.from_sequences(seqs)
     reference = TinyLM(model.cfg).to(next(model.parameters()).device)
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
@@ -187,10 +189,12 @@ def precision_check(model, seqs, *, block_tokens, token_budget) -> list[dict]:
     want = flat_gradient(reference)
     del reference
     rows = []
-    for mode in MODES:
+    engine = {"block_tokens": block_tokens, "token_budget": token_budget}
+    for row in (*MODES, CHECKPOINTED_DFS):
         model.zero_grad(set_to_none=True)
-        tree_backward(model, trie, None, mode=mode, block_tokens=block_tokens, token_budget=token_budget)
-        rows.append({"mode": mode, "grad_rel_err": float((flat_gradient(model) - want).norm() / want.norm())})
+        with row_settings(model, row, engine) as (mode, settings):
+            tree_backward(model, trie, None, mode=mode, **settings)
+        rows.append({"mode": row, "grad_rel_err": float((flat_gradient(model) - want).norm() / want.norm())})
     model.zero_grad(set_to_none=True)
     return rows
 
@@ -350,6 +354,7 @@ def train_rows(
         limit = memory_limit if name in LARGE_SETS and mode == "auto" else None
         stats = trie.stats()
         with row_settings(model, mode, engine) as (engine_mode, settings):
+            checkpointed = model.gradient_checkpointing
             r = timed_steps(
                 model,
                 optimizer,
@@ -366,6 +371,8 @@ def train_rows(
                 "set": name,
                 "mode": mode,
                 "memory_limit_gib": None if limit is None else limit / 2**30,
+                "block_tokens": settings["block_tokens"],
+                "checkpointed": checkpointed,
                 "flat_tokens": stats["flat_tokens"],
                 "tree_tokens": stats["tree_tokens"],
                 "token_ratio": stats["token_ratio"],
@@ -418,9 +425,21 @@ def run_setup(args) -> tuple[bool, torch.device, torch.dtype, TinyLMConfig, dict
             TINY if quick else LLAMA_05B, engine)
 
 
+def check_memory_limit_applies(sets, device) -> None:
+    """Stop before any work where ``--memory-limit-gib`` could not act: no large set asked for, or a device
+    that reports no peak memory (what the cost model's memory fit needs)."""
+    if not set(sets) & set(LARGE_SETS):
+        raise SystemExit(f"--memory-limit-gib applies to the large sets ({', '.join(LARGE_SETS)}); "
+                         f"--sets {','.join(sets)} has none")
+    if device.type != "cuda":
+        raise SystemExit(f"--memory-limit-gib needs peak memory, measured on CUDA only, not {device}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     quick, device, dtype, cfg, engine = run_setup(args)
+    if args.memory_limit_gib is not None:
+        check_memory_limit_applies(args.sets, device)
     torch.manual_seed(0)
     model = TinyLM(cfg).to(device, dtype)
     if args.compile_layers:
@@ -445,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             with row_settings(model, row, engine) as (mode, settings):
                 trie = bench_trie(name, quick)
                 step = profile_step(model, trie, mode=mode, cost_model=cost_model, **settings)
-            profiles.append({"set": name, **step, "mode": row})
+            profiles.append({"set": name, **step, "mode": row, "block_tokens": settings["block_tokens"]})
     subset = [s[:1024] for s in load_rollouts("grpo_math")[: 4 if quick else 32]]
     precision = precision_check(
         model, subset, block_tokens=engine["block_tokens"], token_budget=min(engine["token_budget"], 8192)

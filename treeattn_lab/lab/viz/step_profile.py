@@ -74,8 +74,8 @@ def with_model_calls(
 def committed_profile_rows(payload: Mapping) -> list[dict]:
     """The ``profile`` rows of a ``bench train`` result (as :func:`~treeattn_lab.lab.viz.load_bench_results`
     returns it), each labelled with the GPU it ran on and the model calls its step made on its set's trie
-    under the run's ``block_tokens``, ``token_budget`` and cost model (a ``dfs-ckpt`` row: dfs calls in its
-    longer blocks)."""
+    under its ``block_tokens`` (the row's where it records one, else the run's, times
+    ``CHECKPOINTED_BLOCKS`` for a ``dfs-ckpt`` row), the run's ``token_budget`` and cost model."""
     from ...bench.train import CHECKPOINTED_BLOCKS, CHECKPOINTED_DFS, bench_trie
     from ...engine import CostModel
 
@@ -87,11 +87,12 @@ def committed_profile_rows(payload: Mapping) -> list[dict]:
 
     def labelled(r: Mapping) -> dict:
         checkpointed = r["mode"] == CHECKPOINTED_DFS
+        blocks = r.get("block_tokens", payload["block_tokens"] * (CHECKPOINTED_BLOCKS if checkpointed else 1))
         row = with_model_calls(
             {**r, "mode": "dfs"} if checkpointed else r,
             tries[r["set"]],
             machine=machine,
-            block_tokens=payload["block_tokens"] * (CHECKPOINTED_BLOCKS if checkpointed else 1),
+            block_tokens=blocks,
             token_budget=payload["token_budget"],
             cost_model=cost_model,
         )
