@@ -17,6 +17,7 @@ BENCHES = {
     "tree": "treeattn_lab.bench.tree",
     "tree-tune": "treeattn_lab.bench.tree_tune",
     "train": "treeattn_lab.bench.train",
+    "dfs-kernels": "treeattn_lab.bench.dfs_kernels",
     "rl": "treeattn_lab.bench.rl",
     "sparse": "treeattn_lab.bench.sparse",
     "dilated": "treeattn_lab.bench.dilated",

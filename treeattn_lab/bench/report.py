@@ -212,10 +212,11 @@ SECTIONS = (
             {"tree": render_tree, "tree-tune": render_tree_tune, "tree-bwd-profile": render_tree_profile}),
     Section("Training on a trie", "One training step through the engine per rollout set and mode, one "
             "GRPO step (log-probs of the old and reference policies, then the training pass), the GRPO "
-            "loop flat against the tree, the same step with each decoder layer compiled, and a whole packed "
-            "step under torch.compile(fullgraph=True).",
+            "loop flat against the tree, the same step with each decoder layer compiled, a dfs step with "
+            "every block on one attention kernel, and a whole packed step under "
+            "torch.compile(fullgraph=True).",
             {"train": render_train, "rl": render_rl, "grpo-tree-": render_grpo,
-             "train-compiled-layers": render_train, "compile": render_rows}),
+             "train-compiled-layers": render_train, "dfs-kernels": render_rows, "compile": render_rows}),
     Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
             "data-parallel step on two GPUs.",
             {"balance": render_balance, "multi-gpu-train-2x": render_multi_gpu}),

@@ -1,0 +1,133 @@
+"""``python -m treeattn_lab bench dfs-kernels``: which attention kernel a DFS walk should run.
+
+A DFS step runs every block's attention on one kernel for the whole walk (``engine/block_attention.py``):
+FlashAttention-4 where it runs and the walk's median block is at least ``FA4_MIN_WALK_WORK``, SDPA
+otherwise. This bench measures both sides of that rule: for each bundled set and block size (the dfs
+blocks of ``bench train``, and the checkpointed ones of its ``dfs-ckpt`` row) one dfs training step
+(``tree_backward``, from zeroed gradients) with every block forced onto SDPA, then onto FA4, beside the
+walk's median block work and the kernel the rule picks. Without FA4 (a CPU, or no ``[hopper]`` extra) only
+the SDPA column is measured. The model and sizes are those of ``bench train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from ..engine import CostModel, block_attention, plan_micro_batches
+from ..engine.dfs import PUSH_BLOCKS, walk
+from ..ops.fa4_tree import fa4_takes
+from ..reference import TinyLM
+from .harness import (
+    add_out_argument,
+    choice_list,
+    environment,
+    int_list,
+    positive_int,
+    print_table,
+    write_results,
+)
+from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, run_setup, timed_tree_backward
+
+KERNELS = ("sdpa", "fa4")
+
+
+@contextlib.contextmanager
+def walk_kernel(kind: str):
+    """Every walk run inside on ``kind``: ``"fa4"`` wherever FA4 runs, ``"sdpa"`` everywhere (the rule's
+    threshold set to 0 or to infinity, and restored afterwards)."""
+    if kind not in KERNELS:
+        raise ValueError(f"kind must be one of {KERNELS}, got {kind!r}")
+    before = block_attention.FA4_MIN_WALK_WORK
+    block_attention.FA4_MIN_WALK_WORK = 0 if kind == "fa4" else math.inf
+    try:
+        yield
+    finally:
+        block_attention.FA4_MIN_WALK_WORK = before
+
+
+def median_block_works(trie, *, block_tokens: int, token_budget: int | None, heads: int, head_dim: int):
+    """Per micro-batch of a dfs step (as the engine plans them without a cost model), the median block
+    work ``queries x keys x heads x head_dim`` that :class:`~treeattn_lab.engine.block_attention.WalkKernel`
+    compares with ``FA4_MIN_WALK_WORK``."""
+    works = []
+    for mb in plan_micro_batches(trie, token_budget, cost_model=CostModel(), mode="dfs"):
+        _, events = walk(mb.trie.pack(), block_tokens, push_blocks=PUSH_BLOCKS)
+        rectangles = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
+        works.append(rectangles[(len(rectangles) - 1) // 2] * heads * head_dim)
+    return works
+
+
+def kernel_rows(model, sets, *, quick: bool, block_sizes, token_budget, reps: int) -> list[dict]:
+    """One row per (set, block size, checkpointed): the median block works, the rule's pick, and the
+    step time with every block on each kernel that runs here (the shortest of ``reps`` after a warm-up)."""
+    cfg, param = model.cfg, next(model.parameters())
+    fa4 = fa4_takes(param.device, param.dtype, cfg.head_dim)
+    jobs = [(name, blocks, ckpt) for name in sets for blocks in block_sizes for ckpt in (False, True)]
+    rows = []
+    for name, blocks, checkpointed in tqdm(jobs, desc="bench dfs-kernels", unit="walk"):
+        trie = bench_trie(name, quick)
+        works = median_block_works(trie, block_tokens=blocks, token_budget=token_budget, heads=cfg.n_heads,
+                                   head_dim=cfg.head_dim)
+        picks = ["fa4" if fa4 and w >= block_attention.FA4_MIN_WALK_WORK else "sdpa" for w in works]
+        row = {"set": name, "block_tokens": blocks, "checkpointed": checkpointed,
+               "median_work_log2": [round(math.log2(max(w, 1)), 2) for w in works],
+               "rule_picks": ",".join(sorted(set(picks)))}
+        model.gradient_checkpointing = checkpointed
+        try:
+            for kind in KERNELS if fa4 else ("sdpa",):
+                with walk_kernel(kind):
+                    steps = [timed_tree_backward(model, trie, mode="dfs", block_tokens=blocks,
+                                                 token_budget=token_budget) for _ in range(reps + 1)]
+                row[f"{kind}_s"] = min(steps[1:])
+        finally:
+            model.gradient_checkpointing = False
+        if "fa4_s" in row:
+            row["faster"] = "fa4" if row["fa4_s"] < row["sdpa_s"] else "sdpa"
+        rows.append(row)
+    model.zero_grad(set_to_none=True)
+    return rows
+
+
+COLUMNS = [("set", "set"), ("block_tokens", "block"), ("checkpointed", "ckpt"),
+           ("median_work_log2", "log2 median work"), ("rule_picks", "rule picks"), ("sdpa_s", "SDPA s"),
+           ("fa4_s", "FA4 s"), ("faster", "faster")]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m treeattn_lab bench dfs-kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", type=choice_list(SETS), default=["agentic", "low_sharing"])
+    parser.add_argument("--block-tokens", type=int_list, default=None,
+                        help="comma list of block sizes (default: bench train's dfs block and 4x it)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, small subsets (default on a CPU)")
+    parser.add_argument("--reps", type=positive_int, default=1)
+    add_out_argument(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    setup = argparse.Namespace(quick=args.quick, block_tokens=None, token_budget=None)
+    quick, device, dtype, cfg, engine = run_setup(setup)
+    block_sizes = args.block_tokens or [engine["block_tokens"], engine["block_tokens"] * CHECKPOINTED_BLOCKS]
+    torch.manual_seed(0)
+    model = TinyLM(cfg).to(device, dtype)
+    rows = kernel_rows(model, args.sets, quick=quick, block_sizes=block_sizes,
+                       token_budget=engine["token_budget"], reps=args.reps)
+    env = environment()
+    precision = str(dtype).removeprefix("torch.")
+    print_table(f"a dfs step with every block on one kernel, {env['device']}, {precision}", COLUMNS, rows)
+    path = write_results("dfs-kernels", rows, env, directory=args.out,
+                         extra={"config": vars(cfg), "token_budget": engine["token_budget"],
+                                "fa4_min_walk_work": block_attention.FA4_MIN_WALK_WORK})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
