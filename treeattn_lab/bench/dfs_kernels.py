@@ -22,15 +22,7 @@ from ..engine import CostModel, block_attention, plan_micro_batches
 from ..engine.dfs import PUSH_BLOCKS, walk
 from ..ops.fa4_tree import fa4_takes
 from ..reference import TinyLM
-from .harness import (
-    add_out_argument,
-    choice_list,
-    environment,
-    int_list,
-    positive_int,
-    print_table,
-    write_results,
-)
+from . import harness
 from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, run_setup, timed_tree_backward
 
 KERNELS = ("sdpa", "fa4")
@@ -101,12 +93,12 @@ COLUMNS = [("set", "set"), ("block_tokens", "block"), ("checkpointed", "ckpt"),
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m treeattn_lab bench dfs-kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sets", type=choice_list(SETS), default=["agentic", "low_sharing"])
-    parser.add_argument("--block-tokens", type=int_list, default=None,
+    parser.add_argument("--sets", type=harness.choice_list(SETS), default=["agentic", "low_sharing"])
+    parser.add_argument("--block-tokens", type=harness.int_list, default=None,
                         help="comma list of block sizes (default: bench train's dfs block and 4x it)")
     parser.add_argument("--quick", action="store_true", help="tiny model, small subsets (default on a CPU)")
-    parser.add_argument("--reps", type=positive_int, default=1)
-    add_out_argument(parser)
+    parser.add_argument("--reps", type=harness.positive_int, default=1)
+    harness.add_out_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -119,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     model = TinyLM(cfg).to(device, dtype)
     rows = kernel_rows(model, args.sets, quick=quick, block_sizes=block_sizes,
                        token_budget=engine["token_budget"], reps=args.reps)
-    env = environment()
+    env = harness.environment()
     precision = str(dtype).removeprefix("torch.")
-    print_table(f"a dfs step with every block on one kernel, {env['device']}, {precision}", COLUMNS, rows)
-    path = write_results("dfs-kernels", rows, env, directory=args.out,
-                         extra={"config": vars(cfg), "token_budget": engine["token_budget"],
-                                "fa4_min_walk_work": block_attention.FA4_MIN_WALK_WORK})
+    title = f"a dfs step with every block on one kernel, {env['device']}, {precision}"
+    harness.print_table(title, COLUMNS, rows)
+    extra = {"config": vars(cfg), "token_budget": engine["token_budget"],
+             "fa4_min_walk_work": block_attention.FA4_MIN_WALK_WORK}
+    path = harness.write_results("dfs-kernels", rows, env, directory=args.out, extra=extra)
     print(f"wrote {path}")
     return 0
 
