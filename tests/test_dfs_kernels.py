@@ -11,7 +11,7 @@ import torch
 from treeattn_lab.bench import dfs_kernels
 from treeattn_lab.bench.train import TINY, bench_trie
 from treeattn_lab.engine import block_attention
-from treeattn_lab.engine.dfs import PUSH_BLOCKS, walk
+from treeattn_lab.engine.dfs import walk
 from treeattn_lab.reference import TinyLM
 
 
@@ -19,20 +19,20 @@ def test_a_forced_kernel_holds_inside_and_the_rule_returns_after(monkeypatch):
     q = torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
     monkeypatch.setattr(block_attention, "runs_fa4", lambda q: True)
     threshold = block_attention.FA4_MIN_WALK_WORK
-    with dfs_kernels.walk_kernel("fa4"):
+    with dfs_kernels.forced_kernel("fa4"):
         assert block_attention.WalkKernel([1])(q) == "fa4"  # the smallest walk
-    with pytest.raises(RuntimeError, match="stop"), dfs_kernels.walk_kernel("sdpa"):
+    with pytest.raises(RuntimeError, match="stop"), dfs_kernels.forced_kernel("sdpa"):
         assert block_attention.WalkKernel([2**60])(q) == "sdpa"  # the largest walk
         raise RuntimeError("stop")
     assert threshold == block_attention.FA4_MIN_WALK_WORK  # restored after the error
-    with pytest.raises(ValueError, match="kind must be one of"), dfs_kernels.walk_kernel("flex"):
+    with pytest.raises(ValueError, match="kind must be one of"), dfs_kernels.forced_kernel("flex"):
         pass
 
 
 def test_median_block_work_is_the_walk_rules_and_a_quick_run_times_sdpa():
     trie = bench_trie("agentic", True)
     works = dfs_kernels.median_block_works(trie, block_tokens=64, token_budget=None, heads=4, head_dim=16)
-    _, events = walk(trie.pack(), 64, push_blocks=PUSH_BLOCKS)
+    _, events = walk(trie.pack(), 64)  # the blocks before pushes merge, as the walk's kernel reads them
     rectangles = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
     assert works == [rectangles[(len(rectangles) - 1) // 2] * 64]
     budgeted = dfs_kernels.median_block_works(trie, block_tokens=64, token_budget=256, heads=4, head_dim=16)

@@ -107,11 +107,14 @@ def test_a_walk_runs_one_kernel_chosen_by_its_median_block(monkeypatch):
     monkeypatch.setattr(block_attention, "runs_fa4", lambda q: False)
     assert walk_kernel(q) == "fa4"  # decided once: every later event and layer of the walk runs it
     pack = RolloutTrie.from_sequences(SUBTREES).pack()
-    events = engine_dfs.walk(pack, 8, push_blocks=engine_dfs.PUSH_BLOCKS)[1]
-    state = engine_dfs._path_state(adapt(small_model()), pack, events, with_grads=False)
+    events = engine_dfs.walk(pack, 8)[1]  # the blocks before pushes merge
+    kernel = engine_dfs.walk_kernel(pack, 8, packed_subtrees=True)
     want = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
-    assert state.kernel.median_rectangle == want[(len(want) - 1) // 2]
-    assert all(engine_dfs.attention_of(state, b).kernel is state.kernel for _, b in events)
+    assert kernel.median_rectangle == want[(len(want) - 1) // 2]
+    merged = engine_dfs.walk(pack, 8, push_blocks=engine_dfs.PUSH_BLOCKS)[1]
+    assert len(merged) < len(events)  # the training walk merges pushes; its kernel is the same walk's
+    state = engine_dfs._path_state(adapt(small_model()), pack, kernel, with_grads=False)
+    assert all(engine_dfs.attention_of(state, b).kernel is kernel for _, b in merged)
 
 
 def long_forest(seed: int) -> list[list[int]]:

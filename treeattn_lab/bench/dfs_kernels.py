@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine import CostModel, block_attention, plan_micro_batches
-from ..engine.dfs import PUSH_BLOCKS, walk
+from ..engine import dfs as engine_dfs
 from ..ops.fa4_tree import fa4_takes
 from ..reference import TinyLM
 from . import harness
@@ -29,7 +29,7 @@ KERNELS = ("sdpa", "fa4")
 
 
 @contextlib.contextmanager
-def walk_kernel(kind: str):
+def forced_kernel(kind: str):
     """Every walk run inside on ``kind``: ``"fa4"`` wherever FA4 runs, ``"sdpa"`` everywhere (the rule's
     threshold set to 0 or to infinity, and restored afterwards)."""
     if kind not in KERNELS:
@@ -44,13 +44,12 @@ def walk_kernel(kind: str):
 
 def median_block_works(trie, *, block_tokens: int, token_budget: int | None, heads: int, head_dim: int):
     """Per micro-batch of a dfs step (as the engine plans them without a cost model), the median block
-    work ``queries x keys x heads x head_dim`` that :class:`~treeattn_lab.engine.block_attention.WalkKernel`
-    compares with ``FA4_MIN_WALK_WORK``."""
+    work ``queries x keys x heads x head_dim`` that its walk's kernel is chosen by
+    (:func:`~treeattn_lab.engine.dfs.walk_kernel`)."""
     works = []
     for mb in plan_micro_batches(trie, token_budget, cost_model=CostModel(), mode="dfs"):
-        _, events = walk(mb.trie.pack(), block_tokens, push_blocks=PUSH_BLOCKS)
-        rectangles = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
-        works.append(rectangles[(len(rectangles) - 1) // 2] * heads * head_dim)
+        kernel = engine_dfs.walk_kernel(mb.trie.pack(), block_tokens, packed_subtrees=True)
+        works.append(kernel.median_rectangle * heads * head_dim)
     return works
 
 
@@ -72,7 +71,7 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, token_budget, reps: in
         model.gradient_checkpointing = checkpointed
         try:
             for kind in KERNELS if fa4 else ("sdpa",):
-                with walk_kernel(kind):
+                with forced_kernel(kind):
                     steps = [timed_tree_backward(model, trie, mode="dfs", block_tokens=blocks,
                                                  token_budget=token_budget) for _ in range(reps + 1)]
                 row[f"{kind}_s"] = min(steps[1:])

@@ -325,12 +325,17 @@ def walk(pack, block_tokens: int, *, packed_subtrees: bool = True, push_blocks: 
     return blocks, (merge_pushes(events, push_blocks * block_tokens) if push_blocks > 1 else events)
 
 
-def _path_state(adapter, pack, events, with_grads: bool) -> PathState:
-    """The path of a walk over ``pack`` with ``events``, its attention kernel chosen for their blocks."""
+def walk_kernel(pack, block_tokens: int, *, packed_subtrees: bool) -> WalkKernel:
+    """The attention kernel of every walk over ``pack`` in ``block_tokens`` blocks, chosen from the blocks
+    of the walk before pushes merge (:func:`merge_pushes`): the training walk and the log-prob walk over
+    one pack then run the same kernel, so their log-probs agree as closely as two walks can."""
+    _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
+    return WalkKernel([(b.end - b.start) * (b.end - b.start + b.position) for _, b in events])
+
+
+def _path_state(adapter, pack, kernel: WalkKernel, with_grads: bool) -> PathState:
     longest = int(pack._cpu("seq_lengths").max())
-    rectangles = [(b.end - b.start) * (b.end - b.start + b.position) for _, b in events]
-    return PathState(adapter.num_layers, longest, with_grads, subtree_end=pack.subtree_end,
-                     kernel=WalkKernel(rectangles))
+    return PathState(adapter.num_layers, longest, with_grads, subtree_end=pack.subtree_end, kernel=kernel)
 
 
 def _features(adapter, pack, b: Block, attention):
@@ -353,7 +358,8 @@ def run_dfs(adapter, pack, plan, block_tokens: int, scores=None, *, packed_subtr
     scores = LinearScores(plan) if scores is None else scores
     push_blocks = PUSH_BLOCKS if packed_subtrees else 1
     blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees, push_blocks=push_blocks)
-    state = _path_state(adapter, pack, events, with_grads=True)
+    kernel = walk_kernel(pack, block_tokens, packed_subtrees=packed_subtrees)
+    state = _path_state(adapter, pack, kernel, with_grads=True)
     entry_logp = _entry_logps(plan, adapter, pack)
     grad_tokens = no_grad_tokens = 0
     for event, b in events:
@@ -394,7 +400,8 @@ def dfs_logprobs(
     ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens", "path_bytes"}``.
     """
     _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
-    state = _path_state(adapter, pack, events, with_grads=False)
+    state = _path_state(adapter, pack, walk_kernel(pack, block_tokens, packed_subtrees=packed_subtrees),
+                        with_grads=False)
     entry_logp = _entry_logps(plan, adapter, pack)
     entry_entropy = torch.zeros_like(entry_logp) if entropy else None
     for event, b in events:
