@@ -17,9 +17,9 @@ event builds its mask once and every layer reads it:
 
 - **FlashAttention-4** where it runs (CUDA compute capability >= 9.0 with the ``[hopper]`` extra, fp16 /
   bf16, ``ops/fa4_tree.py``) and the walk's blocks are large enough to pay for it
-  (:data:`FA4_MIN_WALK_WORK`): FlexAttention's FLASH backend with the rule's ``BlockMask``. The prefix is
-  whole 128 x 128 tiles that run unmasked, tiles the block's tree leaves empty are skipped, and only the
-  tiles it cuts evaluate the rule;
+  (:data:`FA4_MIN_WALK_WORK`): FlexAttention's FLASH backend with the rule's ``BlockMask``. Tiles the
+  rule fills (the prefix's, but for the tile that straddles the block's start and the last query tile)
+  run unmasked, tiles the block's tree leaves empty are skipped, and only the tiles it cuts evaluate it;
 - **SDPA** elsewhere: causal aligned to the bottom right for a chain (FlashAttention on CUDA), and for a
   block holding a tree an explicit additive mask. A masked SDPA kernel computes the whole ``n x (p + n)``
   rectangle, the pairs the mask hides included.
@@ -99,8 +99,9 @@ def rule_block_mask(first: torch.Tensor, last: torch.Tensor, num_queries: int):
 
 class WalkKernel:
     """The attention kernel of every event of one walk: ``"fa4"`` or ``"sdpa"`` (module docstring), chosen
-    on the first call from the first layer's queries and the median of the walk's block rectangles
-    (``queries x keys`` per event, host integers)."""
+    on the first call from the first layer's queries and the median of ``rectangles``, the walk's blocks'
+    ``queries x keys`` (host integers; :func:`~treeattn_lab.engine.dfs.walk_kernel` reads them from the
+    blocks before pushes merge)."""
 
     def __init__(self, rectangles):
         rectangles = sorted(rectangles)
