@@ -108,7 +108,7 @@ def test_a_walk_runs_one_kernel_chosen_by_its_median_block(monkeypatch):
     assert walk_kernel(q) == "fa4"  # decided once: every later event and layer of the walk runs it
     pack = RolloutTrie.from_sequences(SUBTREES).pack()
     events = engine_dfs.walk(pack, 8)[1]  # the blocks before pushes merge
-    kernel = engine_dfs.walk_kernel(pack, 8, packed_subtrees=True)
+    kernel = engine_dfs.walk_kernel(events)
     want = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
     assert kernel.median_rectangle == want[(len(want) - 1) // 2]
     merged = engine_dfs.walk(pack, 8, push_blocks=engine_dfs.PUSH_BLOCKS)[1]

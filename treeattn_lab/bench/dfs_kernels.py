@@ -23,7 +23,7 @@ from ..engine import dfs as engine_dfs
 from ..ops.fa4_tree import fa4_takes
 from ..reference import TinyLM
 from . import harness
-from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, run_setup, timed_tree_backward
+from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, layers_checkpointed, run_setup, timed_tree_backward
 
 KERNELS = ("sdpa", "fa4")
 
@@ -48,7 +48,7 @@ def median_block_works(trie, *, block_tokens: int, token_budget: int | None, hea
     (:func:`~treeattn_lab.engine.dfs.walk_kernel`)."""
     works = []
     for mb in plan_micro_batches(trie, token_budget, cost_model=CostModel(), mode="dfs"):
-        kernel = engine_dfs.walk_kernel(mb.trie.pack(), block_tokens, packed_subtrees=True)
+        kernel = engine_dfs.walk_kernel(engine_dfs.walk(mb.trie.pack(), block_tokens)[1])
         works.append(kernel.median_rectangle * heads * head_dim)
     return works
 
@@ -64,19 +64,16 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, token_budget, reps: in
         trie = bench_trie(name, quick)
         works = median_block_works(trie, block_tokens=blocks, token_budget=token_budget, heads=cfg.n_heads,
                                    head_dim=cfg.head_dim)
-        picks = ["fa4" if fa4 and w >= block_attention.FA4_MIN_WALK_WORK else "sdpa" for w in works]
+        picks = {block_attention.WalkKernel.choose(w, fa4) for w in works}
         row = {"set": name, "block_tokens": blocks, "checkpointed": checkpointed,
                "median_work_log2": [round(math.log2(max(w, 1)), 2) for w in works],
-               "rule_picks": ",".join(sorted(set(picks)))}
-        model.gradient_checkpointing = checkpointed
-        try:
+               "rule_picks": ",".join(sorted(picks))}
+        with layers_checkpointed(model, checkpointed):
             for kind in KERNELS if fa4 else ("sdpa",):
                 with forced_kernel(kind):
                     steps = [timed_tree_backward(model, trie, mode="dfs", block_tokens=blocks,
                                                  token_budget=token_budget) for _ in range(reps + 1)]
                 row[f"{kind}_s"] = min(steps[1:])
-        finally:
-            model.gradient_checkpointing = False
         if "fa4_s" in row:
             row["faster"] = "fa4" if row["fa4_s"] < row["sdpa_s"] else "sdpa"
         rows.append(row)

@@ -43,7 +43,7 @@ from .harness import (
 SETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
 # a row beside the engine's modes: dfs with the model's layers checkpointed (each layer keeps only its
 # input for backward and recomputes the rest), so that blocks CHECKPOINTED_BLOCKS times longer fit in
-# less memory than dfs's own blocks: fewer, larger calls, which is what fills a GPU
+# less memory than dfs's own blocks: fewer, larger calls, and less host work per token
 CHECKPOINTED_DFS = "dfs-ckpt"
 CHECKPOINTED_BLOCKS = 4
 DFS_ROWS = ("dfs", CHECKPOINTED_DFS)
@@ -324,19 +324,26 @@ def bench_trie(name: str, quick: bool) -> RolloutTrie:
 
 
 @contextlib.contextmanager
+def layers_checkpointed(model, checkpointed: bool = True):
+    """TinyLM ``model``'s layers checkpointed (or not) inside the block, as they were after it."""
+    before = model.gradient_checkpointing
+    model.gradient_checkpointing = checkpointed
+    try:
+        yield
+    finally:
+        model.gradient_checkpointing = before
+
+
+@contextlib.contextmanager
 def row_settings(model, row: str, engine: dict):
     """``(engine mode, engine settings)`` of table row ``row``: an engine mode as it is, or
     :data:`CHECKPOINTED_DFS`: mode dfs in blocks :data:`CHECKPOINTED_BLOCKS` times longer, the model's
-    layers checkpointed while it runs (and as they were afterwards)."""
+    layers checkpointed while it runs (:func:`layers_checkpointed`)."""
     if row != CHECKPOINTED_DFS:
         yield row, engine
         return
-    before = model.gradient_checkpointing
-    model.gradient_checkpointing = True
-    try:
+    with layers_checkpointed(model):
         yield "dfs", {**engine, "block_tokens": engine["block_tokens"] * CHECKPOINTED_BLOCKS}
-    finally:
-        model.gradient_checkpointing = before
 
 
 def train_rows(
@@ -453,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--memory-limit-gib needs a cost model calibrated with every mode's peak memory measured; on "
             f"{device} calibration gave calibrated={cost_model.calibrated}, memory fits "
             f"{ {m: cost_model.fit_info.get(m, {}).get('memory') for m in MODES} } in "
-            f"{args.calibration_s:g} s: raise --calibration-s (memory is measured on CUDA only)"
+            f"{args.calibration_s:g} s: raise --calibration-s"
         )
     rows = train_rows(
         model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit, **engine

@@ -35,6 +35,7 @@ import torch
 
 from ..ops.fa4_tree import runs_fa4
 from ..ops.flex import block_mask_from_tiles, flex_attention
+from ..ops.tile_census import FA4_TILE
 from .attention import prefix_tree, suffix_causal
 
 __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "span_mask"]
@@ -72,28 +73,25 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(mask, 0.0)
 
 
-FLEX_TILE = 128  # FlexAttention's (and FA4's) tile: 128 queries x 128 keys
-
-
 def rule_block_mask(first: torch.Tensor, last: torch.Tensor, num_queries: int):
     """FlexAttention ``BlockMask`` of the rule over ``[1, H, num_queries, D]`` queries and ``[1, H,
     len(first), D]`` keys, batch and head independent, built from the tiles (no ``n x (p + n)`` mask):
     query tile ``[a, b)`` meets key ``j`` exactly when ``max(first[j], a) < min(last[j], b)``, and a
     tile is full when every key of a whole tile satisfies ``first[j] <= a`` and ``b <= last[j]``
     (tiles cut by the end of the queries or keys are never full, as in ``create_block_mask``)."""
-    n, s = num_queries, first.numel()
-    key_tiles = -(-s // FLEX_TILE)
-    pad = key_tiles * FLEX_TILE - s  # padded keys: first = n, seen by no query
-    f = torch.nn.functional.pad(first, (0, pad), value=n).view(1, key_tiles, FLEX_TILE)
-    l = torch.nn.functional.pad(last, (0, pad), value=0).view(1, key_tiles, FLEX_TILE)
-    a = torch.arange(0, n, FLEX_TILE, device=first.device, dtype=torch.int32)[:, None, None]
-    seen = (torch.maximum(f, a) < torch.minimum(l, (a + FLEX_TILE).clamp(max=n))).any(-1)
-    full = ((f <= a) & (a + FLEX_TILE <= l)).all(-1)
+    (tile, _), n, s = FA4_TILE, num_queries, first.numel()  # square tiles: FlexAttention's default
+    key_tiles = -(-s // tile)
+    pad = key_tiles * tile - s  # padded keys: first = n, seen by no query
+    f = torch.nn.functional.pad(first, (0, pad), value=n).view(1, key_tiles, tile)
+    l = torch.nn.functional.pad(last, (0, pad), value=0).view(1, key_tiles, tile)
+    a = torch.arange(0, n, tile, device=first.device, dtype=torch.int32)[:, None, None]
+    seen = (torch.maximum(f, a) < torch.minimum(l, (a + tile).clamp(max=n))).any(-1)
+    full = ((f <= a) & (a + tile <= l)).all(-1)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (first[kv_idx] <= q_idx) & (q_idx < last[kv_idx])
 
-    return block_mask_from_tiles((seen & ~full)[None], full[None], block_size=FLEX_TILE, mask_mod=mask_mod,
+    return block_mask_from_tiles((seen & ~full)[None], full[None], block_size=tile, mask_mod=mask_mod,
                                  seq_lengths=(n, s))
 
 
@@ -108,10 +106,15 @@ class WalkKernel:
         self.median_rectangle = rectangles[(len(rectangles) - 1) // 2] if rectangles else 0
         self.name: str | None = None
 
+    @staticmethod
+    def choose(work: int, fa4_runs: bool) -> str:
+        """The rule: ``"fa4"`` where FA4 runs and the median block's ``work`` is at least
+        :data:`FA4_MIN_WALK_WORK`, else ``"sdpa"``."""
+        return "fa4" if fa4_runs and work >= FA4_MIN_WALK_WORK else "sdpa"
+
     def __call__(self, q) -> str:
         if self.name is None:
-            work = self.median_rectangle * q.shape[-2] * q.shape[-1]
-            self.name = "fa4" if runs_fa4(q) and work >= FA4_MIN_WALK_WORK else "sdpa"
+            self.name = self.choose(self.median_rectangle * q.shape[-2] * q.shape[-1], runs_fa4(q))
         return self.name
 
 

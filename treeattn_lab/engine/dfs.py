@@ -325,11 +325,10 @@ def walk(pack, block_tokens: int, *, packed_subtrees: bool = True, push_blocks: 
     return blocks, (merge_pushes(events, push_blocks * block_tokens) if push_blocks > 1 else events)
 
 
-def walk_kernel(pack, block_tokens: int, *, packed_subtrees: bool) -> WalkKernel:
-    """The attention kernel of every walk over ``pack`` in ``block_tokens`` blocks, chosen from the blocks
-    of the walk before pushes merge (:func:`merge_pushes`): the training walk and the log-prob walk over
-    one pack then run the same kernel, so their log-probs agree as closely as two walks can."""
-    _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
+def walk_kernel(events) -> WalkKernel:
+    """The attention kernel of a walk, chosen from its ``events`` before pushes merge (:func:`walk` with
+    ``push_blocks=1``): the training walk and the log-prob walk over one pack then run the same kernel, so
+    their log-probs agree as closely as two walks can."""
     return WalkKernel([(b.end - b.start) * (b.end - b.start + b.position) for _, b in events])
 
 
@@ -356,10 +355,10 @@ def run_dfs(adapter, pack, plan, block_tokens: int, scores=None, *, packed_subtr
     ``{"entry_logp", "grad_tokens", "no_grad_tokens", "blocks", "path_bytes"}``.
     """
     scores = LinearScores(plan) if scores is None else scores
-    push_blocks = PUSH_BLOCKS if packed_subtrees else 1
-    blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees, push_blocks=push_blocks)
-    kernel = walk_kernel(pack, block_tokens, packed_subtrees=packed_subtrees)
-    state = _path_state(adapter, pack, kernel, with_grads=True)
+    blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
+    state = _path_state(adapter, pack, walk_kernel(events), with_grads=True)
+    if packed_subtrees:
+        events = merge_pushes(events, PUSH_BLOCKS * block_tokens)
     entry_logp = _entry_logps(plan, adapter, pack)
     grad_tokens = no_grad_tokens = 0
     for event, b in events:
@@ -400,8 +399,7 @@ def dfs_logprobs(
     ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens", "path_bytes"}``.
     """
     _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
-    state = _path_state(adapter, pack, walk_kernel(pack, block_tokens, packed_subtrees=packed_subtrees),
-                        with_grads=False)
+    state = _path_state(adapter, pack, walk_kernel(events), with_grads=False)
     entry_logp = _entry_logps(plan, adapter, pack)
     entry_entropy = torch.zeros_like(entry_logp) if entropy else None
     for event, b in events:
