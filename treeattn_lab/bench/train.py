@@ -257,19 +257,10 @@ def dfs_targets(by: dict, row: str) -> list[dict]:
         speed = dfs["tokens_per_s"] / packed["tokens_per_s"]
         out.append(_target(f"agentic: {row} >= 0.8 x packed", speed, 0.8))
     if dfs and packed and dfs["peak_gib"] is not None:
-        out.append(
-            _target(
-                f"agentic: {row} peak <= 0.25 x packed peak", dfs["peak_gib"] / packed["peak_gib"], 0.25, True
-            )
-        )
-        out.append(
-            _target(
-                f"agentic: {row} activation peak <= 0.25 x packed (above static)",
-                dfs["activation_gib"] / packed["activation_gib"],
-                0.25,
-                True,
-            )
-        )
+        peaks = (("peak <= 0.25 x packed peak", "peak_gib"),
+                 ("activation peak <= 0.25 x packed (above static)", "activation_gib"))
+        for name, key in peaks:
+            out.append(_target(f"agentic: {row} {name}", dfs[key] / packed[key], 0.25, True))
     dfs, flat = by.get(("low_sharing", row)), by.get(("low_sharing", "flat"))
     if dfs and flat:
         out.append(_target(f"low_sharing: {row} >= 0.8 x flat", dfs["speedup"], 0.8))
