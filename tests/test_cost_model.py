@@ -31,6 +31,7 @@ from treeattn_lab.engine import (
     tree_backward,
 )
 from treeattn_lab.engine.calibration import calibration_tries
+from treeattn_lab.engine.call_plan import auto_micro_batches
 from treeattn_lab.engine.cost_model import MODES
 from treeattn_lab.engine.nnls import COND_LIMIT
 from treeattn_lab.engine.time_fit import MAX_PLAUSIBLE_FLOPS, fit_host_bound, fit_time, model_work
@@ -420,7 +421,7 @@ def prompt_groups(prompts: int = 4, prompt_len: int = 30, samples: int = 4, tail
     return seqs
 
 
-@pytest.mark.parametrize("mode", ["packed", "dfs", "auto"])
+@pytest.mark.parametrize("mode", ["packed", "auto"])
 def test_a_host_bound_model_plans_fewer_fuller_micro_batches_with_exact_gradients(mode):
     from tests.engine_models import assert_grads_close, flat_gradients, random_weights, tiny_lm
 
@@ -444,6 +445,63 @@ def test_a_host_bound_model_plans_fewer_fuller_micro_batches_with_exact_gradient
         carried = [mb.carried_tokens for mb, m in zip(plan, result.report.modes, strict=True) if m != "flat"]
         assert result.report.carried_tokens == sum(carried)
         assert_grads_close(model, expected, 1e-9)
+
+
+def dfs_fastest_model(memory_per_block_token: float = 0.0) -> CostModel:
+    """Calibrated coefficients under which ``"auto"`` puts every micro-batch in ``"dfs"``; a DFS
+    micro-batch's predicted peak is ``memory_per_block_token`` bytes per token of its largest call."""
+    theta = [1e-6, 1e-5, 1e-9, 1e-6]
+    return CostModel(
+        time={m: [c * (1 if m == "dfs" else 3) for c in theta] for m in MODES},
+        host={m: [0.0, 0.0] for m in MODES},
+        memory={m: [0.0, memory_per_block_token if m == "dfs" else 0.0, 0.0] for m in MODES},
+        calibrated=True,
+    )
+
+
+def test_the_dfs_mode_runs_the_whole_trie_as_one_micro_batch_whatever_the_budget():
+    from tests.engine_models import assert_grads_close, flat_gradients, random_weights, tiny_lm
+
+    seqs = prompt_groups()
+    trie, budget = RolloutTrie.from_sequences(seqs), 120
+    for cost_model in (None, device_bound_model(host_floor=1.0)):
+        (whole,) = plan_micro_batches(trie, budget, cost_model=cost_model, mode="dfs")
+        assert sorted(whole.sequences) == list(range(len(seqs))) and whole.carried_tokens == 0
+    model = tiny_lm()
+    weights = random_weights(seqs, 5)
+    expected, _ = flat_gradients(model, seqs, weights)
+    result = tree_backward(model, trie, weights, mode="dfs", block_tokens=8, token_budget=budget)
+    assert result.report.modes == ["dfs"] and result.report.carried_tokens == 0
+    assert result.report.tree_tokens == trie.stats()["tree_tokens"]
+    assert_grads_close(model, expected, 1e-9)
+
+
+def test_auto_runs_neighbouring_dfs_micro_batches_as_one_where_it_fits_the_memory_limit():
+    from tests.engine_models import assert_grads_close, flat_gradients, random_weights, tiny_lm
+
+    seqs = prompt_groups()  # four subtrees of 70 tree tokens, longest rollout 40
+    trie, budget = RolloutTrie.from_sequences(seqs), 120
+    assert len(plan_micro_batches(trie, budget, cost_model=dfs_fastest_model(), mode="auto")) > 1
+    merged = auto_micro_batches(trie, 8, budget, dfs_fastest_model(), memory_limit=None)
+    ((whole, predicted),) = merged
+    assert whole.mode == "dfs" and sorted(whole.sequences) == list(range(len(seqs)))
+    assert set(predicted) == {"dfs"} and predicted["dfs"] > 0
+    # 24 unshared rollouts of 10 tokens: each half of the budget runs as one span of 120 tokens, the whole
+    # trie as spans of up to 200 (block_tokens); a limit between the two keeps the cuts
+    unshared = RolloutTrie.from_sequences([[j % 50, *(7 * j + i for i in range(9))] for j in range(24)])
+    limited = auto_micro_batches(unshared, 200, budget, dfs_fastest_model(1.0), memory_limit=150.0)
+    assert [mb.mode for mb, _ in limited] == ["dfs", "dfs"]
+    assert len(auto_micro_batches(unshared, 200, budget, dfs_fastest_model(1.0), memory_limit=250.0)) == 1
+    model = tiny_lm()
+    weights = random_weights(seqs, 6)
+    expected, _ = flat_gradients(model, seqs, weights)
+    result = tree_backward(
+        model, trie, weights, mode="auto", block_tokens=8, token_budget=budget, cost_model=dfs_fastest_model()
+    )
+    assert result.report.modes == ["dfs"] and result.report.carried_tokens == 0
+    assert_grads_close(model, expected, 1e-9)
+    balanced = EngineCost(dfs_fastest_model(), block_tokens=8).plan(trie, budget)
+    assert [mb.sequences for mb in balanced] == [whole.sequences]
 
 
 def test_a_host_floor_moves_the_cut_so_no_micro_batch_is_left_below_it():

@@ -18,7 +18,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from ..engine import CostModel, block_attention, plan_micro_batches
+from ..engine import block_attention
 from ..engine import dfs as engine_dfs
 from ..ops.fa4_tree import fa4_takes
 from ..reference import TinyLM
@@ -42,19 +42,16 @@ def forced_kernel(kind: str):
         block_attention.FA4_MIN_WALK_WORK = before
 
 
-def median_block_works(trie, *, block_tokens: int, token_budget: int | None, heads: int, head_dim: int):
-    """Per micro-batch of a dfs step (as the engine plans them without a cost model), the median block
-    work ``queries x keys x heads x head_dim`` that its walk's kernel is chosen by
+def median_block_work(trie, *, block_tokens: int, heads: int, head_dim: int) -> int:
+    """The median block work ``queries x keys x heads x head_dim`` of a dfs step's walk (the whole trie,
+    as the engine's dfs mode runs it): what the walk's kernel is chosen by
     (:func:`~treeattn_lab.engine.dfs.walk_kernel`)."""
-    works = []
-    for mb in plan_micro_batches(trie, token_budget, cost_model=CostModel(), mode="dfs"):
-        kernel = engine_dfs.walk_kernel(engine_dfs.walk(mb.trie.pack(), block_tokens)[1])
-        works.append(kernel.median_rectangle * heads * head_dim)
-    return works
+    kernel = engine_dfs.walk_kernel(engine_dfs.walk(trie.pack(), block_tokens)[1])
+    return kernel.median_rectangle * heads * head_dim
 
 
-def kernel_rows(model, sets, *, quick: bool, block_sizes, token_budget, reps: int) -> list[dict]:
-    """One row per (set, block size, checkpointed): the median block works, the rule's pick, and the
+def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dict]:
+    """One row per (set, block size, checkpointed): the median block work, the rule's pick, and the
     step time with every block on each kernel that runs here (the shortest of ``reps`` after a warm-up)."""
     cfg, param = model.cfg, next(model.parameters())
     fa4 = fa4_takes(param.device, param.dtype, cfg.head_dim)
@@ -62,17 +59,15 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, token_budget, reps: in
     rows = []
     for name, blocks, checkpointed in tqdm(jobs, desc="bench dfs-kernels", unit="walk"):
         trie = bench_trie(name, quick)
-        works = median_block_works(trie, block_tokens=blocks, token_budget=token_budget, heads=cfg.n_heads,
-                                   head_dim=cfg.head_dim)
-        picks = {block_attention.WalkKernel.choose(w, fa4) for w in works}
+        work = median_block_work(trie, block_tokens=blocks, heads=cfg.n_heads, head_dim=cfg.head_dim)
         row = {"set": name, "block_tokens": blocks, "checkpointed": checkpointed,
-               "median_work_log2": [round(math.log2(max(w, 1)), 2) for w in works],
-               "rule_picks": ",".join(sorted(picks))}
+               "median_work_log2": round(math.log2(max(work, 1)), 2),
+               "rule_pick": block_attention.WalkKernel.choose(work, fa4)}
         with layers_checkpointed(model, checkpointed):
             for kind in KERNELS if fa4 else ("sdpa",):
                 with forced_kernel(kind):
-                    steps = [timed_tree_backward(model, trie, mode="dfs", block_tokens=blocks,
-                                                 token_budget=token_budget) for _ in range(reps + 1)]
+                    steps = [timed_tree_backward(model, trie, mode="dfs", block_tokens=blocks)
+                             for _ in range(reps + 1)]
                 row[f"{kind}_s"] = min(steps[1:])
         if "fa4_s" in row:
             row["faster"] = "fa4" if row["fa4_s"] < row["sdpa_s"] else "sdpa"
@@ -82,7 +77,7 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, token_budget, reps: in
 
 
 COLUMNS = [("set", "set"), ("block_tokens", "block"), ("checkpointed", "ckpt"),
-           ("median_work_log2", "log2 median work"), ("rule_picks", "rule picks"), ("sdpa_s", "SDPA s"),
+           ("median_work_log2", "log2 median work"), ("rule_pick", "rule pick"), ("sdpa_s", "SDPA s"),
            ("fa4_s", "FA4 s"), ("faster", "faster")]
 
 
@@ -105,14 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     block_sizes = args.block_tokens or [engine["block_tokens"], engine["block_tokens"] * CHECKPOINTED_BLOCKS]
     torch.manual_seed(0)
     model = TinyLM(cfg).to(device, dtype)
-    rows = kernel_rows(model, args.sets, quick=quick, block_sizes=block_sizes,
-                       token_budget=engine["token_budget"], reps=args.reps)
+    rows = kernel_rows(model, args.sets, quick=quick, block_sizes=block_sizes, reps=args.reps)
     env = harness.environment()
     precision = str(dtype).removeprefix("torch.")
     title = f"a dfs step with every block on one kernel, {env['device']}, {precision}"
     harness.print_table(title, COLUMNS, rows)
-    extra = {"config": vars(cfg), "token_budget": engine["token_budget"],
-             "fa4_min_walk_work": block_attention.FA4_MIN_WALK_WORK}
+    extra = {"config": vars(cfg), "fa4_min_walk_work": block_attention.FA4_MIN_WALK_WORK}
     path = harness.write_results("dfs-kernels", rows, env, directory=args.out, extra=extra)
     print(f"wrote {path}")
     return 0

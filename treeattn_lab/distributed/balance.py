@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -192,7 +192,7 @@ def rank_share(
         seconds, waits_on_host = cost.micro_batch_terms(mb, token_budget)
         costs.append(float(seconds))
         host_bound += bool(waits_on_host)
-        mbs.append(MicroBatch(tuple(sequences[j] for j in mb.sequences), mb.trie, mb.carried_tokens))
+        mbs.append(replace(mb, sequences=tuple(sequences[j] for j in mb.sequences)))
     tree_tokens = sum(len(n.tokens) for n in local.nodes)
     return RankShare(
         rank,

@@ -38,6 +38,7 @@ from typing import ClassVar
 import torch
 
 from ..checks import check_int
+from ..engine.call_plan import auto_micro_batches
 from ..engine.cost_model import MODES, CostModel, MicroBatchShape
 from ..engine.microbatch import MicroBatch, check_planning_mode, plan_micro_batches
 from ..trie import RolloutTrie
@@ -98,14 +99,20 @@ class EngineCost:
         check_int("block_tokens", self.block_tokens)
 
     def plan(self, trie: RolloutTrie, token_budget: int | None) -> list[MicroBatch]:
-        """The micro-batches the engine cuts ``trie`` into (planned with this cost model and mode)."""
+        """The micro-batches the engine runs ``trie`` as (planned with this cost model and mode; under
+        ``"auto"`` each with the mode the engine picks for it)."""
+        if self.mode == "auto":
+            planned = auto_micro_batches(
+                trie, self.block_tokens, token_budget, self.cost_model, self.memory_limit
+            )
+            return [mb for mb, _ in planned]
         return plan_micro_batches(trie, token_budget, cost_model=self.cost_model, mode=self.mode)
 
     def predict(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[str, float, bool]:
         """The mode the engine runs ``micro_batch`` in, its predicted seconds, and whether the model
         predicts it host-bound in that mode."""
         shape = MicroBatchShape.of(micro_batch.trie, self.block_tokens, token_budget)
-        mode = self.mode
+        mode = micro_batch.mode or self.mode
         if mode == "auto":
             mode, _ = self.cost_model.choose(shape, memory_limit=self.memory_limit)
         host, device = self.cost_model.time_terms(shape, mode)

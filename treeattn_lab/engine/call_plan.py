@@ -2,15 +2,19 @@
 micro-batches, pick each micro-batch's mode, and time and measure each phase of the call.
 
 ``"auto"`` asks the cost model (:mod:`treeattn_lab.engine.cost_model`) for the mode it predicts fastest
-for the micro-batch's shape; while dropout is active it never picks ``"dfs"`` for a gradient pass (DFS
-runs prefixes twice and needs the same activations both times).
+for each micro-batch's shape (:func:`auto_micro_batches`); while dropout is active it never picks
+``"dfs"`` for a gradient pass (DFS runs prefixes twice and needs the same activations both times).
+Neighbouring micro-batches it puts in ``"dfs"`` then run as one where the cost model predicts that one
+fits the memory limit: a DFS micro-batch's memory is its block and its path, not its tokens, and the
+merged one computes no prefix twice across the cut.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import groupby
 
 import torch
 
@@ -69,18 +73,57 @@ def plan_call(
             "the same activations both times; call model.eval() or set dropout to 0"
         )
     cost_model = cost_model or CostModel()
-    micro_batches = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
-    plan = CallPlan(adapter, micro_batches, longest=longest)
-    allowed = MODES if deterministic else tuple(m for m in MODES if m != "dfs")
-    for mb in plan.micro_batches:
-        chosen, predicted = mode, {}
-        if mode == "auto":
-            shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
-            chosen, predictions = cost_model.choose(shape, memory_limit=memory_limit, modes=allowed)
-            predicted = {m: p[0] for m, p in predictions.items()}
-        plan.modes.append(chosen)
-        plan.predicted_s.append(predicted)
+    plan = CallPlan(adapter, [], longest=longest)
+    if mode == "auto":
+        allowed = MODES if deterministic else tuple(m for m in MODES if m != "dfs")
+        planned = auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit, allowed)
+        plan.micro_batches = [mb for mb, _ in planned]
+        plan.predicted_s = [predicted for _, predicted in planned]
+    else:
+        cut = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
+        plan.micro_batches = [replace(mb, mode=mode) for mb in cut]
+        plan.predicted_s = [{} for _ in cut]
+    plan.modes = [mb.mode for mb in plan.micro_batches]
     return plan
+
+
+def auto_micro_batches(
+    trie: RolloutTrie,
+    block_tokens: int,
+    token_budget: int | None,
+    cost_model: CostModel,
+    memory_limit: float | None = None,
+    modes: tuple[str, ...] = MODES,
+) -> list[tuple[MicroBatch, dict]]:
+    """The micro-batches ``"auto"`` runs, each with its ``mode`` set, and the seconds predicted for it per
+    mode: the budget's cuts, each in the fastest of ``modes`` that fits ``memory_limit``; then every run
+    of neighbouring ``"dfs"`` micro-batches as one DFS micro-batch, where its predicted peak fits."""
+    chosen = []
+    for mb in plan_micro_batches(trie, token_budget, cost_model=cost_model, mode="auto"):
+        mode, predictions = cost_model.choose(
+            MicroBatchShape.of(mb.trie, block_tokens, token_budget), memory_limit=memory_limit, modes=modes
+        )
+        chosen.append((replace(mb, mode=mode), {m: p[0] for m, p in predictions.items()}))
+    out: list[tuple[MicroBatch, dict]] = []
+    for mode, run in groupby(chosen, key=lambda c: c[0].mode):
+        run = list(run)
+        merged = None
+        if mode == "dfs" and len(run) > 1:
+            run_mbs = [mb for mb, _ in run]
+            merged = _merged(trie, run_mbs, block_tokens, token_budget, cost_model, memory_limit)
+        out.extend(run if merged is None else [merged])
+    return out
+
+
+def _merged(trie, run: list[MicroBatch], block_tokens, token_budget, cost_model, memory_limit):
+    """The micro-batches ``run`` as one DFS micro-batch with its prediction, or None where its predicted
+    peak exceeds ``memory_limit``."""
+    sequences = tuple(i for mb in run for i in mb.sequences)
+    merged = MicroBatch(sequences, trie.subtrie(sequences), run[0].carried_tokens, mode="dfs")
+    seconds, peak = cost_model.predict(MicroBatchShape.of(merged.trie, block_tokens, token_budget), "dfs")
+    if memory_limit is not None and peak > memory_limit:
+        return None
+    return merged, {"dfs": seconds}
 
 
 @contextlib.contextmanager

@@ -10,6 +10,10 @@ next micro-batch compute their common prefix again, counted as ``carried_tokens`
 the budget gets a micro-batch of its own (the DFS engine then splits it into blocks). Every rollout lands
 in exactly one micro-batch, so every token's loss is counted exactly once, however the cuts fall.
 
+The budget bounds what a flat or packed micro-batch holds at once. A DFS micro-batch holds one block and
+the active path, whatever its tokens, so in ``"dfs"`` mode the whole trie is one micro-batch: no prefix is
+carried over a cut, and each shared prefix is pushed once.
+
 Where the cuts fall:
 
 - **greedy fill** (no calibrated cost model, or flat mode, where a cut costs nothing since every rollout
@@ -42,6 +46,7 @@ class MicroBatch:
     sequences: tuple[int, ...]
     trie: RolloutTrie = field(repr=False)
     carried_tokens: int  # prefix tokens shared with the previous micro-batch, computed again here
+    mode: str | None = None  # the mode a plan fixed for it (see engine.call_plan); None: not yet chosen
 
     @property
     def flat_tokens(self) -> int:
@@ -111,7 +116,8 @@ def check_planning_mode(mode) -> str:
 def plan_micro_batches(
     trie: RolloutTrie, token_budget: int | None = None, *, cost_model=None, mode: str = "auto"
 ) -> list[MicroBatch]:
-    """Micro-batches of at most ``token_budget`` tree tokens each (``None``: the whole trie as one).
+    """Micro-batches of at most ``token_budget`` tree tokens each (``None``: the whole trie as one; in
+    ``"dfs"`` mode always the whole trie, whose memory the blocks bound, not the budget).
 
     ``cost_model``: a calibrated :class:`~treeattn_lab.engine.CostModel` makes the cuts the cheapest
     predicted (module docstring) for ``mode``, the engine mode the micro-batches will run in: under
@@ -123,6 +129,8 @@ def plan_micro_batches(
         raise TypeError(f"trie must be a RolloutTrie, got {type(trie).__name__}")
     check_int("token_budget", token_budget, allow_none=True)
     check_planning_mode(mode)
+    if mode == "dfs":
+        token_budget = None
     calibrated = getattr(cost_model, "calibrated", False) is True
     if token_budget is None or not calibrated or mode == "flat":
         # the greedy cuts depend on the trie and the budget alone: cut once per trie, shared by every pass
