@@ -93,15 +93,16 @@ def test_a_block_sees_the_whole_prefix_and_the_tree_rule_inside_it(seqs, order, 
         assert bias.stride(0) % 16 == 0
 
 
-def test_a_walk_runs_one_kernel_chosen_by_its_median_block(monkeypatch):
+def test_a_walk_runs_one_kernel_chosen_by_its_mean_block(monkeypatch):
     q = torch.zeros(1, 5, 8, 128, dtype=torch.bfloat16)  # 8 heads of 128: work = rectangle x 1024
-    rectangles = [2**20, 2**26, 2**26, 2**30]
-    assert block_attention.WalkKernel(rectangles).median_rectangle == 2**26
-    assert block_attention.WalkKernel([]).median_rectangle == 0
+    rectangles = [2**20, 2**26 - 2**20, 3 * 2**25, 3 * 2**25]  # mean 2^26
+    assert block_attention.WalkKernel(rectangles).mean_rectangle == 2**26
+    assert block_attention.WalkKernel([]).mean_rectangle == 0
     assert block_attention.WalkKernel(rectangles)(q) == "sdpa"  # no FA4 on this machine
     monkeypatch.setattr(block_attention, "runs_fa4", lambda q: True)
     assert block_attention.WalkKernel(rectangles)(q) == "fa4"  # 2^26 x 1024 = the threshold
-    assert block_attention.WalkKernel([2**25] * 3 + [2**40])(q) == "sdpa"  # one large block among small
+    assert block_attention.WalkKernel(rectangles[:-1] + [3 * 2**25 - 4])(q) == "sdpa"  # just below it
+    assert block_attention.WalkKernel([2**20] * 7 + [2**29])(q) == "fa4"  # one large block pays for all
     walk_kernel = block_attention.WalkKernel(rectangles)
     assert walk_kernel(q) == "fa4"
     monkeypatch.setattr(block_attention, "runs_fa4", lambda q: False)
@@ -109,8 +110,8 @@ def test_a_walk_runs_one_kernel_chosen_by_its_median_block(monkeypatch):
     pack = RolloutTrie.from_sequences(SUBTREES).pack()
     events = engine_dfs.walk(pack, 8)[1]  # the blocks before pushes merge
     kernel = engine_dfs.walk_kernel(events)
-    want = sorted((b.end - b.start) * (b.end - b.start + b.position) for _, b in events)
-    assert kernel.median_rectangle == want[(len(want) - 1) // 2]
+    want = [(b.end - b.start) * (b.end - b.start + b.position) for _, b in events]
+    assert kernel.mean_rectangle == sum(want) // len(want)
     merged = engine_dfs.walk(pack, 8, push_blocks=engine_dfs.PUSH_BLOCKS)[1]
     assert len(merged) < len(events)  # the training walk merges pushes; its kernel is the same walk's
     state = engine_dfs._path_state(adapt(small_model()), pack, kernel, with_grads=False)

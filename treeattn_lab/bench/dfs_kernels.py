@@ -1,11 +1,11 @@
 """``python -m treeattn_lab bench dfs-kernels``: which attention kernel a DFS walk should run.
 
 A DFS step runs every block's attention on one kernel for the whole walk (``engine/block_attention.py``):
-FlashAttention-4 where it runs and the walk's median block is at least ``FA4_MIN_WALK_WORK``, SDPA
+FlashAttention-4 where it runs and the walk's mean block is at least ``FA4_MIN_WALK_WORK``, SDPA
 otherwise. This bench measures both sides of that rule: for each bundled set and block size (the dfs
 blocks of ``bench train``, and the checkpointed ones of its ``dfs-ckpt`` row) one dfs training step
 (``tree_backward``, from zeroed gradients) with every block forced onto SDPA, then onto FA4, beside the
-walk's median block work and the kernel the rule picks. Without FA4 (a CPU, or no ``[hopper]`` extra) only
+walk's mean block work and the kernel the rule picks. Without FA4 (a CPU, or no ``[hopper]`` extra) only
 the SDPA column is measured. The model and sizes are those of ``bench train``.
 """
 
@@ -42,16 +42,16 @@ def forced_kernel(kind: str):
         block_attention.FA4_MIN_WALK_WORK = before
 
 
-def median_block_work(trie, *, block_tokens: int, heads: int, head_dim: int) -> int:
-    """The median block work ``queries x keys x heads x head_dim`` of a dfs step's walk (the whole trie,
+def mean_block_work(trie, *, block_tokens: int, heads: int, head_dim: int) -> int:
+    """The mean block work ``queries x keys x heads x head_dim`` of a dfs step's walk (the whole trie,
     as the engine's dfs mode runs it): what the walk's kernel is chosen by
     (:func:`~treeattn_lab.engine.dfs.walk_kernel`)."""
     kernel = engine_dfs.walk_kernel(engine_dfs.walk(trie.pack(), block_tokens)[1])
-    return kernel.median_rectangle * heads * head_dim
+    return kernel.mean_rectangle * heads * head_dim
 
 
 def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dict]:
-    """One row per (set, block size, checkpointed): the median block work, the rule's pick, and the
+    """One row per (set, block size, checkpointed): the mean block work, the rule's pick, and the
     step time with every block on each kernel that runs here (the shortest of ``reps`` after a warm-up)."""
     cfg, param = model.cfg, next(model.parameters())
     fa4 = fa4_takes(param.device, param.dtype, cfg.head_dim)
@@ -59,9 +59,9 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dic
     rows = []
     for name, blocks, checkpointed in tqdm(jobs, desc="bench dfs-kernels", unit="walk"):
         trie = bench_trie(name, quick)
-        work = median_block_work(trie, block_tokens=blocks, heads=cfg.n_heads, head_dim=cfg.head_dim)
+        work = mean_block_work(trie, block_tokens=blocks, heads=cfg.n_heads, head_dim=cfg.head_dim)
         row = {"set": name, "block_tokens": blocks, "checkpointed": checkpointed,
-               "median_work_log2": round(math.log2(max(work, 1)), 2),
+               "mean_work_log2": round(math.log2(max(work, 1)), 2),
                "rule_pick": block_attention.WalkKernel.choose(work, fa4)}
         with layers_checkpointed(model, checkpointed):
             for kind in KERNELS if fa4 else ("sdpa",):
@@ -77,7 +77,7 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dic
 
 
 COLUMNS = [("set", "set"), ("block_tokens", "block"), ("checkpointed", "ckpt"),
-           ("median_work_log2", "log2 median work"), ("rule_pick", "rule pick"), ("sdpa_s", "SDPA s"),
+           ("mean_work_log2", "log2 mean work"), ("rule_pick", "rule pick"), ("sdpa_s", "SDPA s"),
            ("fa4_s", "FA4 s"), ("faster", "faster")]
 
 

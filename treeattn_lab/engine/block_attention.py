@@ -27,6 +27,8 @@ event builds its mask once and every layer reads it:
 The choice is the walk's, not the block's: whether FA4's fixed host cost per call is paid back depends on
 whether the step is bound by the host (many small blocks: every microsecond the host spends is the step's)
 or by the GPU (large blocks: the host's work hides behind the kernels, and FA4's faster kernels count).
+FA4 saves kernel time in proportion to the attention work and costs host time per call, so the walk's
+measure is its work per call: the mean over its blocks.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ from .attention import prefix_tree, suffix_causal
 
 __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "span_mask"]
 
-# A walk runs FA4 when its median block's ``queries x keys x query heads x head dim`` (the work of the
+# A walk runs FA4 when its mean block's ``queries x keys x query heads x head dim`` (the work of the
 # block's SDPA rectangle) is at least this: below it the step is bound by the host, which FA4's costlier
-# calls slow down; above it by the GPU, which its faster kernels speed up (the 0.49B TinyLM on the H200,
-# at the block sizes of ``bench train``'s dfs and dfs-ckpt rows).
+# calls slow down; above it by the GPU, which its faster kernels speed up (the 0.49B TinyLM on the H200:
+# ``bench dfs-kernels``, the walks of 4096- to 32768-token blocks).
 FA4_MIN_WALK_WORK = 2**36
 
 
@@ -97,24 +99,24 @@ def rule_block_mask(first: torch.Tensor, last: torch.Tensor, num_queries: int):
 
 class WalkKernel:
     """The attention kernel of every event of one walk: ``"fa4"`` or ``"sdpa"`` (module docstring), chosen
-    on the first call from the first layer's queries and the median of ``rectangles``, the walk's blocks'
+    on the first call from the first layer's queries and the mean of ``rectangles``, the walk's blocks'
     ``queries x keys`` (host integers; :func:`~treeattn_lab.engine.dfs.walk_kernel` reads them from the
     blocks before pushes merge)."""
 
     def __init__(self, rectangles):
-        rectangles = sorted(rectangles)
-        self.median_rectangle = rectangles[(len(rectangles) - 1) // 2] if rectangles else 0
+        rectangles = list(rectangles)
+        self.mean_rectangle = sum(rectangles) // len(rectangles) if rectangles else 0
         self.name: str | None = None
 
     @staticmethod
     def choose(work: int, fa4_runs: bool) -> str:
-        """The rule: ``"fa4"`` where FA4 runs and the median block's ``work`` is at least
+        """The rule: ``"fa4"`` where FA4 runs and the mean block's ``work`` is at least
         :data:`FA4_MIN_WALK_WORK`, else ``"sdpa"``."""
         return "fa4" if fa4_runs and work >= FA4_MIN_WALK_WORK else "sdpa"
 
     def __call__(self, q) -> str:
         if self.name is None:
-            self.name = self.choose(self.median_rectangle * q.shape[-2] * q.shape[-1], runs_fa4(q))
+            self.name = self.choose(self.mean_rectangle * q.shape[-2] * q.shape[-1], runs_fa4(q))
         return self.name
 
 

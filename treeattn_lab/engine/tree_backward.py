@@ -269,7 +269,8 @@ def tree_backward(
     ``block_tokens``: the longest run of tokens the DFS mode computes at once. ``token_budget``: tree tokens
     per flat or packed micro-batch (None: the whole trie is one micro-batch; flat mode pads chunks of at
     most this many tokens). A DFS micro-batch holds one block and the active path, so ``"dfs"`` runs the
-    whole trie as one, and ``"auto"`` joins neighbouring micro-batches it puts in ``"dfs"``. ``cost_model``: predictor for ``"auto"`` (default: the uncalibrated prior; see
+    whole trie as one, and ``"auto"`` joins neighbouring micro-batches it puts in ``"dfs"``.
+    ``cost_model``: predictor for ``"auto"`` (default: the uncalibrated prior; see
     :func:`treeattn_lab.engine.calibrate`). ``memory_limit``: bytes ``"auto"`` may plan for.
     """
     if objective is not None and not callable(objective):
