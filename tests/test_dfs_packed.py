@@ -264,6 +264,7 @@ def test_a_memory_limit_that_cannot_act_stops_the_bench_before_any_work(tmp_path
         bench_train.main(["--quick", "--sets", sets, "--memory-limit-gib", "1", "--calibration-s", "0.5",
                           "--out", str(tmp_path)])
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's message, on any machine
     monkeypatch.setattr(bench_train, "calibrate", lambda *a, **kw: pytest.fail("calibrated first"))
     with pytest.raises(SystemExit, match="applies to the large sets .* --sets agentic has none"):
         run("agentic")
