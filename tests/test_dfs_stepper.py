@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import orders, rollout_forests
 from treeattn_lab import RolloutTrie
-from treeattn_lab.engine import MODES, CostModel, tree_backward
+from treeattn_lab.engine import MODES, CostModel, plan_micro_batches, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
 from treeattn_lab.engine.loss_plan import LossPlan
 from treeattn_lab.lab import exercises, viz
@@ -294,8 +294,29 @@ def test_micro_batches_with_a_calibrated_model_and_a_memory_limit():
         trie, token_budget=None, block_tokens=4096, cost_model=model, memory_limit=10 * 2**30
     )
     assert free[0]["choice"] != "dfs" and tight[0]["choice"] == "dfs"  # only dfs fits in 10 GiB
+    # cut by a budget, the micro-batches auto puts in dfs run as one (its memory is a block and a path)
+    dfs_fastest = CostModel(time={m: [1e-6, 1e-5 * (1 if m == "dfs" else 3), 1e-9, 1e-6] for m in MODES},
+                            host={m: [0.0, 0.0] for m in MODES}, calibrated=True)
+    cut = viz.micro_batch_choices(trie, token_budget=5000, block_tokens=3000, cost_model=dfs_fastest)
+    assert [r["choice"] for r in cut] == ["dfs"] and cut[0]["carried_tokens"] == 0
+    assert len(plan_micro_batches(trie, 5000)) > 1
     table = viz.draw_micro_batch_table(tight)
     assert len(table.data[0].header.values) == 5 + 3 + 3 + 1
+
+
+def test_the_calibrated_train_run_loaded_is_the_newest_with_every_mode(tmp_path):
+    def write(name, time_utc, modes, calibrated=True):
+        payload = {"environment": {"time_utc": time_utc}, "cost_model": {"calibrated": calibrated},
+                   "rows": [{"mode": m} for m in modes]}
+        (tmp_path / f"{name}__GPU__torch-x.json").write_text(json.dumps(payload))
+
+    write("train", "2026-01-01", MODES)
+    write("train-agentic-x4", "2026-01-03", ["flat", "auto"])  # newest, but auto beside flat only
+    write("train-short", "2026-01-04", MODES, calibrated=False)
+    assert viz.load_calibrated_train_results("GPU", tmp_path)["environment"]["time_utc"] == "2026-01-01"
+    (tmp_path / "train__GPU__torch-x.json").unlink()
+    with pytest.raises(FileNotFoundError, match="rows of every mode"):
+        viz.load_calibrated_train_results("GPU", tmp_path)
 
 
 def train_bench_payload():

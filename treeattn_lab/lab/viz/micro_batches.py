@@ -20,16 +20,19 @@ GIB = 2**30
 def micro_batch_choices(
     trie, *, token_budget: int | None, block_tokens: int, cost_model=None, memory_limit: float | None = None
 ) -> list[dict]:
-    """The micro-batches of ``trie`` (:func:`~treeattn_lab.engine.plan_micro_batches`) and, per
-    micro-batch, the cost model's predictions ``{mode: (seconds, bytes)}`` and choice, as ``"auto"``
-    would make them (:meth:`~treeattn_lab.engine.CostModel.choose` on :meth:`MicroBatchShape.of`)."""
-    from ...engine import CostModel, MicroBatchShape, plan_micro_batches
+    """The micro-batches ``"auto"`` runs ``trie`` as
+    (:func:`~treeattn_lab.engine.call_plan.auto_micro_batches`: the budget's cuts, neighbouring dfs ones
+    joined) and, per micro-batch, the cost model's predictions
+    ``{mode: (seconds, bytes)}`` on its shape and the mode ``"auto"`` runs it in."""
+    from ...engine import MODES, CostModel, MicroBatchShape
+    from ...engine.call_plan import auto_micro_batches
 
     cost_model = cost_model or CostModel()
     rows = []
-    for j, mb in enumerate(plan_micro_batches(trie, token_budget, cost_model=cost_model)):
+    planned = auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit)
+    for j, (mb, _) in enumerate(planned):
         shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
-        choice, predictions = cost_model.choose(shape, memory_limit=memory_limit)
+        choice, predictions = mb.mode, {m: cost_model.predict(shape, m) for m in MODES}
         rows.append(
             {
                 "micro_batch": j,
