@@ -304,21 +304,6 @@ def test_micro_batches_with_a_calibrated_model_and_a_memory_limit():
     assert len(table.data[0].header.values) == 5 + 3 + 3 + 1
 
 
-def test_the_calibrated_train_run_loaded_is_the_newest_with_every_mode(tmp_path):
-    def write(name, time_utc, modes, calibrated=True):
-        payload = {"environment": {"time_utc": time_utc}, "cost_model": {"calibrated": calibrated},
-                   "rows": [{"mode": m} for m in modes]}
-        (tmp_path / f"{name}__GPU__torch-x.json").write_text(json.dumps(payload))
-
-    write("train", "2026-01-01", MODES)
-    write("train-agentic-x4", "2026-01-03", ["flat", "auto"])  # newest, but auto beside flat only
-    write("train-short", "2026-01-04", MODES, calibrated=False)
-    assert viz.load_calibrated_train_results("GPU", tmp_path)["environment"]["time_utc"] == "2026-01-01"
-    (tmp_path / "train__GPU__torch-x.json").unlink()
-    with pytest.raises(FileNotFoundError, match="rows of every mode"):
-        viz.load_calibrated_train_results("GPU", tmp_path)
-
-
 def train_bench_payload():
     return viz.load_calibrated_train_results("NVIDIA-H200")
 

@@ -41,9 +41,8 @@ def load_bench_results(bench: str = "tree", device: str = "NVIDIA-H200", directo
 
 def load_calibrated_train_results(device: str = "NVIDIA-H200", directory=None) -> dict:
     """The newest committed ``bench train`` run (``train__`` or ``train-<variant>__`` files) whose cost model
-    was calibrated and whose rows hold every engine mode: a run that profiled one set with a short
-    calibration leaves it uncalibrated, and the cost-model views need measured coefficients and memory;
-    a memory-limited run of ``auto`` beside flat has no packed or dfs rows to compare."""
+    was calibrated: a run that profiled one set with a short calibration leaves it uncalibrated, and the
+    cost-model views need measured coefficients and memory."""
     import json
     from pathlib import Path
 
@@ -51,17 +50,9 @@ def load_calibrated_train_results(device: str = "NVIDIA-H200", directory=None) -
 
     folder = Path(directory) if directory is not None else RESULTS_DIR
     payloads = [json.loads(p.read_text()) for p in sorted(folder.glob(f"train*__{device}__*.json"))]
-    from ...engine import MODES
-
-    def usable(d) -> bool:
-        modes = {r.get("mode") for r in d.get("rows", ())}
-        return bool(d.get("cost_model", {}).get("calibrated")) and set(MODES) <= modes
-
-    calibrated = [d for d in payloads if usable(d)]
+    calibrated = [d for d in payloads if d.get("cost_model", {}).get("calibrated")]
     if not calibrated:
-        raise FileNotFoundError(
-            f"no train*__{device}__*.json under {folder} with a calibrated cost model and rows of every mode"
-        )
+        raise FileNotFoundError(f"no train*__{device}__*.json under {folder} with a calibrated cost model")
     return max(calibrated, key=lambda d: d.get("environment", {}).get("time_utc", ""))
 
 
