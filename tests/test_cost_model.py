@@ -447,16 +447,29 @@ def test_a_host_bound_model_plans_fewer_fuller_micro_batches_with_exact_gradient
         assert_grads_close(model, expected, 1e-9)
 
 
-def dfs_fastest_model(memory_per_block_token: float = 0.0) -> CostModel:
-    """Calibrated coefficients under which ``"auto"`` puts every micro-batch in ``"dfs"``; a DFS
-    micro-batch's predicted peak is ``memory_per_block_token`` bytes per token of its largest call."""
+def dfs_fastest_model(memory_per_block_token: float = 0.0, others_bytes: float = 0.0) -> CostModel:
+    """Calibrated coefficients under which ``"auto"`` puts every micro-batch in ``"dfs"`` where it fits; a
+    DFS micro-batch's predicted peak is ``memory_per_block_token`` bytes per token of its largest call,
+    the other modes' ``others_bytes``."""
     theta = [1e-6, 1e-5, 1e-9, 1e-6]
+    memory = {m: [others_bytes, 0.0, 0.0] for m in MODES}
+    memory["dfs"] = [0.0, memory_per_block_token, 0.0]
     return CostModel(
         time={m: [c * (1 if m == "dfs" else 3) for c in theta] for m in MODES},
         host={m: [0.0, 0.0] for m in MODES},
-        memory={m: [0.0, memory_per_block_token if m == "dfs" else 0.0, 0.0] for m in MODES},
+        memory=memory,
         calibrated=True,
     )
+
+
+class FirstPackedThenDfs(CostModel):
+    """A calibrated model whose ``choose`` puts the first micro-batch it is asked about in packed and every
+    later one in dfs (a plan where a dfs run follows a packed micro-batch)."""
+
+    def choose(self, shape, *, memory_limit=None, modes=MODES):
+        _, predictions = super().choose(shape, memory_limit=memory_limit, modes=modes)
+        self.asked = getattr(self, "asked", 0) + 1
+        return ("packed" if self.asked == 1 else "dfs"), predictions
 
 
 def test_the_dfs_mode_runs_the_whole_trie_as_one_micro_batch_whatever_the_budget():
@@ -484,14 +497,20 @@ def test_auto_runs_neighbouring_dfs_micro_batches_as_one_where_it_fits_the_memor
     assert len(plan_micro_batches(trie, budget, cost_model=dfs_fastest_model(), mode="auto")) > 1
     merged = auto_micro_batches(trie, 8, budget, dfs_fastest_model(), memory_limit=None)
     ((whole, predicted),) = merged
-    assert whole.mode == "dfs" and sorted(whole.sequences) == list(range(len(seqs)))
-    assert set(predicted) == {"dfs"} and predicted["dfs"] > 0
+    assert whole.mode == "dfs" and whole.sequences == tuple(trie.dfs_sequence_order())
+    assert set(predicted) == set(MODES) and predicted["dfs"] < predicted["packed"]
     # 24 unshared rollouts of 10 tokens: each half of the budget runs as one span of 120 tokens, the whole
     # trie as spans of up to 200 (block_tokens); a limit between the two keeps the cuts
     unshared = RolloutTrie.from_sequences([[j % 50, *(7 * j + i for i in range(9))] for j in range(24)])
     limited = auto_micro_batches(unshared, 200, budget, dfs_fastest_model(1.0), memory_limit=150.0)
     assert [mb.mode for mb, _ in limited] == ["dfs", "dfs"]
     assert len(auto_micro_batches(unshared, 200, budget, dfs_fastest_model(1.0), memory_limit=250.0)) == 1
+    # three cuts of 80 tokens: the whole (spans of 200) does not fit 170, the first two (160) do
+    thirds = auto_micro_batches(unshared, 200, 80, dfs_fastest_model(1.0), memory_limit=170.0)
+    assert [len(mb.sequences) for mb, _ in thirds] == [16, 8]
+    # no mode fits 50: each cut runs in dfs, the leanest; joined, the spans stay 120 tokens, no worse
+    leanest = auto_micro_batches(unshared, 120, budget, dfs_fastest_model(1.0, 1e9), memory_limit=50.0)
+    assert [(mb.mode, len(mb.sequences)) for mb, _ in leanest] == [("dfs", 24)]
     model = tiny_lm()
     weights = random_weights(seqs, 6)
     expected, _ = flat_gradients(model, seqs, weights)
@@ -502,6 +521,31 @@ def test_auto_runs_neighbouring_dfs_micro_batches_as_one_where_it_fits_the_memor
     assert_grads_close(model, expected, 1e-9)
     balanced = EngineCost(dfs_fastest_model(), block_tokens=8).plan(trie, budget)
     assert [mb.sequences for mb in balanced] == [whole.sequences]
+
+
+def test_a_dfs_run_after_a_packed_micro_batch_carries_its_first_members_prefix_with_exact_gradients():
+    from tests.engine_models import assert_grads_close, flat_gradients, random_weights, tiny_lm
+
+    seqs = prompt_groups()
+    trie, budget = RolloutTrie.from_sequences(seqs), 120
+    host_bound = device_bound_model(host_floor=1.0)  # three cuts; the second carries its prompt
+    cut = plan_micro_batches(trie, budget, cost_model=host_bound, mode="auto")
+    assert [mb.carried_tokens for mb in cut] == [0, 30, 0]
+
+    def first_packed():
+        return FirstPackedThenDfs(time=host_bound.time, host=host_bound.host, calibrated=True)
+
+    planned = auto_micro_batches(trie, 8, budget, first_packed())
+    assert [(mb.mode, mb.sequences, mb.carried_tokens) for mb, _ in planned] == [
+        ("packed", cut[0].sequences, 0), ("dfs", cut[1].sequences + cut[2].sequences, 30)]
+    model = tiny_lm()
+    weights = random_weights(seqs, 7)
+    expected, _ = flat_gradients(model, seqs, weights)
+    result = tree_backward(
+        model, trie, weights, mode="auto", block_tokens=8, token_budget=budget, cost_model=first_packed()
+    )
+    assert result.report.modes == ["packed", "dfs"] and result.report.carried_tokens == 30
+    assert_grads_close(model, expected, 1e-9)
 
 
 def test_a_host_floor_moves_the_cut_so_no_micro_batch_is_left_below_it():

@@ -3,8 +3,8 @@
 Data-parallel training on tries: rank r builds the trie of *its own* rollouts and runs
 :func:`treeattn_lab.engine.tree_backward` on it, so rank r's work is the cost of its own trie (a prefix
 shared by rollouts on two ranks is computed on both). A cost is evaluated on the micro-batches the engine
-will run on that rank (:meth:`plan`: :func:`treeattn_lab.engine.plan_micro_batches` of the rank's trie
-with the cost model and mode the engine plans with), each micro-batch priced by
+will run on that rank (:meth:`plan`: :func:`treeattn_lab.engine.call_plan.engine_micro_batches` of the
+rank's trie with the cost model and mode the engine plans with), each micro-batch priced by
 :meth:`micro_batch_terms` (its cost, and whether the cost model predicts it host-bound):
 
 - :class:`TokenCost` (the default): the tokens the rank computes, i.e. the tree tokens of its micro-batches
@@ -38,9 +38,9 @@ from typing import ClassVar
 import torch
 
 from ..checks import check_int
-from ..engine.call_plan import auto_micro_batches
+from ..engine.call_plan import engine_micro_batches
 from ..engine.cost_model import MODES, CostModel, MicroBatchShape
-from ..engine.microbatch import MicroBatch, check_planning_mode, plan_micro_batches
+from ..engine.microbatch import MicroBatch, check_planning_mode
 from ..trie import RolloutTrie
 
 
@@ -56,19 +56,27 @@ def _check_planning(name: str, cost_model, mode, *, optional: bool) -> None:
 class TokenCost:
     """A rank pays one unit per token it computes: the tree tokens of its micro-batches.
 
-    ``plan_with``, ``mode``: the cost model and mode ``tree_backward`` plans its micro-batches with (None:
-    greedy fill), so the micro-batches counted are the engine's."""
+    ``plan_with``, ``mode``, ``block_tokens``, ``memory_limit``: what ``tree_backward`` plans its
+    micro-batches with (``plan_with`` None: the prior, whose cuts are the greedy fill), so the
+    micro-batches counted are the engine's."""
 
     plan_with: CostModel | None = None
     mode: str = "auto"
+    block_tokens: int = 2048
+    memory_limit: float | None = None
     unit: ClassVar[str] = "tokens"
 
     def __post_init__(self):
         _check_planning("plan_with", self.plan_with, self.mode, optional=True)
+        check_int("block_tokens", self.block_tokens)
 
     def plan(self, trie: RolloutTrie, token_budget: int | None) -> list[MicroBatch]:
-        """The micro-batches the engine cuts ``trie`` into."""
-        return plan_micro_batches(trie, token_budget, cost_model=self.plan_with, mode=self.mode)
+        """The micro-batches the engine runs ``trie`` as
+        (:func:`~treeattn_lab.engine.call_plan.engine_micro_batches`)."""
+        planned = engine_micro_batches(
+            trie, self.mode, self.block_tokens, token_budget, self.plan_with, self.memory_limit
+        )
+        return [mb for mb, _ in planned]
 
     def micro_batch_terms(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[float, bool]:
         """``(cost, host-bound)`` of a micro-batch: its tree tokens; tokens know no host."""
@@ -99,14 +107,12 @@ class EngineCost:
         check_int("block_tokens", self.block_tokens)
 
     def plan(self, trie: RolloutTrie, token_budget: int | None) -> list[MicroBatch]:
-        """The micro-batches the engine runs ``trie`` as (planned with this cost model and mode; under
-        ``"auto"`` each with the mode the engine picks for it)."""
-        if self.mode == "auto":
-            planned = auto_micro_batches(
-                trie, self.block_tokens, token_budget, self.cost_model, self.memory_limit
-            )
-            return [mb for mb, _ in planned]
-        return plan_micro_batches(trie, token_budget, cost_model=self.cost_model, mode=self.mode)
+        """The micro-batches the engine runs ``trie`` as, each with the mode it runs in
+        (:func:`~treeattn_lab.engine.call_plan.engine_micro_batches`)."""
+        planned = engine_micro_batches(
+            trie, self.mode, self.block_tokens, token_budget, self.cost_model, self.memory_limit
+        )
+        return [mb for mb, _ in planned]
 
     def predict(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[str, float, bool]:
         """The mode the engine runs ``micro_batch`` in, its predicted seconds, and whether the model

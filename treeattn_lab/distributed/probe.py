@@ -86,10 +86,11 @@ def refine_cost_model(
 ) -> tuple[CostModel, dict]:
     """Collective: rescale ``cost_model`` to times measured on the real rollouts (:meth:`CostModel.refine`).
 
-    The whole trie's micro-batches (as the engine plans them with ``cost_model``) are dealt round-robin
-    over the ranks; each rank times its micro-batches (``tree_backward``, the fastest of ``repeats``
-    runs, gradients discarded) in every mode the engine could pick: ``mode`` itself, or under ``"auto"``
-    each mode predicted within ``contenders`` x the fastest. The timings are all-gathered and rank 0's
+    The whole trie's micro-batches (the budget's cuts with ``cost_model``, before ``"auto"`` joins its
+    neighbouring dfs ones; in ``"dfs"`` mode the one whole trie) are dealt round-robin over the ranks;
+    each rank times its micro-batches (``tree_backward``, the fastest of ``repeats`` runs, gradients
+    discarded) in every mode the engine could pick: ``mode`` itself, or under ``"auto"`` each mode
+    predicted within ``contenders`` x the fastest. The timings are all-gathered and rank 0's
     refit is broadcast, so every rank plans with the same model. Existing ``.grad`` are restored.
     Returns the refined model and a summary of the probe.
 

@@ -130,7 +130,7 @@ def plan_shares(
         hint="every rank must pass the same trie, weights and arguments",
     )
     cost = (  # either way, the shares' micro-batches are cut as tree_backward will cut them
-        TokenCost(plan_with=cost_model, mode=mode)
+        TokenCost(plan_with=cost_model, mode=mode, block_tokens=block_tokens, memory_limit=memory_limit)
         if balance_by == "tokens"
         else EngineCost(cost_model, mode=mode, block_tokens=block_tokens, memory_limit=memory_limit)
     )

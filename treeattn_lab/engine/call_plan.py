@@ -6,7 +6,8 @@ for each micro-batch's shape (:func:`auto_micro_batches`); while dropout is acti
 ``"dfs"`` for a gradient pass (DFS runs prefixes twice and needs the same activations both times).
 Neighbouring micro-batches it puts in ``"dfs"`` then run as one where the cost model predicts that one
 fits the memory limit: a DFS micro-batch's memory is its block and its path, not its tokens, and the
-merged one computes no prefix twice across the cut.
+joined one computes no prefix twice across the cut. :func:`engine_micro_batches` is that plan, shared
+with the distributed balancer.
 """
 
 from __future__ import annotations
@@ -72,19 +73,31 @@ def plan_call(
             "dropout is active (model in train mode with p > 0): the DFS mode runs prefixes twice and needs "
             "the same activations both times; call model.eval() or set dropout to 0"
         )
-    cost_model = cost_model or CostModel()
-    plan = CallPlan(adapter, [], longest=longest)
-    if mode == "auto":
-        allowed = MODES if deterministic else tuple(m for m in MODES if m != "dfs")
-        planned = auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit, allowed)
-        plan.micro_batches = [mb for mb, _ in planned]
-        plan.predicted_s = [predicted for _, predicted in planned]
-    else:
-        cut = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
-        plan.micro_batches = [replace(mb, mode=mode) for mb in cut]
-        plan.predicted_s = [{} for _ in cut]
+    allowed = MODES if deterministic else tuple(m for m in MODES if m != "dfs")
+    planned = engine_micro_batches(trie, mode, block_tokens, token_budget, cost_model, memory_limit, allowed)
+    plan = CallPlan(adapter, [mb for mb, _ in planned], longest=longest)
+    plan.predicted_s = [predicted for _, predicted in planned]
     plan.modes = [mb.mode for mb in plan.micro_batches]
     return plan
+
+
+def engine_micro_batches(
+    trie: RolloutTrie,
+    mode: str,
+    block_tokens: int,
+    token_budget: int | None,
+    cost_model: CostModel | None = None,
+    memory_limit: float | None = None,
+    modes: tuple[str, ...] = MODES,
+) -> list[tuple[MicroBatch, dict]]:
+    """The micro-batches an engine call in ``mode`` runs, each with its ``mode`` set, and the seconds the
+    cost model predicts for each per mode: under ``"auto"`` :func:`auto_micro_batches`, otherwise the cuts
+    of :func:`~.microbatch.plan_micro_batches` (no predictions). ``cost_model`` None: the prior."""
+    cost_model = cost_model or CostModel()
+    if mode == "auto":
+        return auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit, modes)
+    cut = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
+    return [(replace(mb, mode=mode), {}) for mb in cut]
 
 
 def auto_micro_batches(
@@ -96,34 +109,52 @@ def auto_micro_batches(
     modes: tuple[str, ...] = MODES,
 ) -> list[tuple[MicroBatch, dict]]:
     """The micro-batches ``"auto"`` runs, each with its ``mode`` set, and the seconds predicted for it per
-    mode: the budget's cuts, each in the fastest of ``modes`` that fits ``memory_limit``; then every run
-    of neighbouring ``"dfs"`` micro-batches as one DFS micro-batch, where its predicted peak fits."""
+    mode: the budget's cuts, each in the fastest of ``modes`` that fits ``memory_limit``; then each run of
+    neighbouring ``"dfs"`` micro-batches joined (:func:`_joined_dfs`)."""
     chosen = []
     for mb in plan_micro_batches(trie, token_budget, cost_model=cost_model, mode="auto"):
-        mode, predictions = cost_model.choose(
-            MicroBatchShape.of(mb.trie, block_tokens, token_budget), memory_limit=memory_limit, modes=modes
-        )
-        chosen.append((replace(mb, mode=mode), {m: p[0] for m, p in predictions.items()}))
+        shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
+        mode, predictions = cost_model.choose(shape, memory_limit=memory_limit, modes=modes)
+        chosen.append((replace(mb, mode=mode), predictions))
     out: list[tuple[MicroBatch, dict]] = []
     for mode, run in groupby(chosen, key=lambda c: c[0].mode):
         run = list(run)
-        merged = None
         if mode == "dfs" and len(run) > 1:
-            run_mbs = [mb for mb, _ in run]
-            merged = _merged(trie, run_mbs, block_tokens, token_budget, cost_model, memory_limit)
-        out.extend(run if merged is None else [merged])
-    return out
+            run = _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit, modes)
+        out.extend(run)
+    return [(mb, {m: p[0] for m, p in predictions.items()}) for mb, predictions in out]
 
 
-def _merged(trie, run: list[MicroBatch], block_tokens, token_budget, cost_model, memory_limit):
-    """The micro-batches ``run`` as one DFS micro-batch with its prediction, or None where its predicted
-    peak exceeds ``memory_limit``."""
-    sequences = tuple(i for mb in run for i in mb.sequences)
-    merged = MicroBatch(sequences, trie.subtrie(sequences), run[0].carried_tokens, mode="dfs")
-    seconds, peak = cost_model.predict(MicroBatchShape.of(merged.trie, block_tokens, token_budget), "dfs")
-    if memory_limit is not None and peak > memory_limit:
-        return None
-    return merged, {"dfs": seconds}
+def _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit, modes):
+    """A run of neighbouring dfs micro-batches ``[(micro-batch, {mode: (seconds, bytes)})]`` joined into as
+    few as fit: the whole run where its predicted peak fits, else groups grown left to right while theirs
+    does. A group fits where its peak is within ``memory_limit`` or within its members' own (a member that
+    no mode fitted runs in dfs, the leanest, anyway; joining must not make it worse)."""
+
+    def fits(joined, members) -> bool:
+        if memory_limit is None:
+            return True
+        bound = max([memory_limit] + [p["dfs"][1] for _, p in members])
+        return joined[1]["dfs"][1] <= bound
+
+    def join(members):
+        sequences = tuple(i for mb, _ in members for i in mb.sequences)
+        mb = MicroBatch(sequences, trie.subtrie(sequences), members[0][0].carried_tokens, mode="dfs")
+        shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
+        return mb, {m: cost_model.predict(shape, m) for m in modes}
+
+    whole = join(run)
+    if fits(whole, run):
+        return [whole]
+    groups, members, current = [], [run[0]], run[0]
+    for item in run[1:]:
+        joined = join(members + [item])
+        if fits(joined, members + [item]):
+            members, current = members + [item], joined
+        else:
+            groups.append(current)
+            members, current = [item], item
+    return groups + [current]
 
 
 @contextlib.contextmanager
