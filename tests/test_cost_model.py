@@ -498,7 +498,7 @@ def test_auto_runs_neighbouring_dfs_micro_batches_as_one_where_it_fits_the_memor
     merged = auto_micro_batches(trie, 8, budget, dfs_fastest_model(), memory_limit=None)
     ((whole, predicted),) = merged
     assert whole.mode == "dfs" and whole.sequences == tuple(trie.dfs_sequence_order())
-    assert set(predicted) == set(MODES) and predicted["dfs"] < predicted["packed"]
+    assert set(predicted) == set(MODES) and predicted["dfs"][0] < predicted["packed"][0]
     # 24 unshared rollouts of 10 tokens: each half of the budget runs as one span of 120 tokens, the whole
     # trie as spans of up to 200 (block_tokens); a limit between the two keeps the cuts
     unshared = RolloutTrie.from_sequences([[j % 50, *(7 * j + i for i in range(9))] for j in range(24)])

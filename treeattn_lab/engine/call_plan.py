@@ -95,7 +95,8 @@ def engine_micro_batches(
     of :func:`~.microbatch.plan_micro_batches` (no predictions). ``cost_model`` None: the prior."""
     cost_model = cost_model or CostModel()
     if mode == "auto":
-        return auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit, modes)
+        planned = auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit, modes)
+        return [(mb, {m: p[0] for m, p in predictions.items()}) for mb, predictions in planned]
     cut = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
     return [(replace(mb, mode=mode), {}) for mb in cut]
 
@@ -108,9 +109,10 @@ def auto_micro_batches(
     memory_limit: float | None = None,
     modes: tuple[str, ...] = MODES,
 ) -> list[tuple[MicroBatch, dict]]:
-    """The micro-batches ``"auto"`` runs, each with its ``mode`` set, and the seconds predicted for it per
-    mode: the budget's cuts, each in the fastest of ``modes`` that fits ``memory_limit``; then each run of
-    neighbouring ``"dfs"`` micro-batches joined (:func:`_joined_dfs`)."""
+    """The micro-batches ``"auto"`` runs, each with its ``mode`` set, and what the cost model predicts for
+    it per mode, ``{mode: (seconds, bytes)}``: the budget's cuts, each in the fastest of ``modes`` that
+    fits ``memory_limit``; then each run of neighbouring ``"dfs"`` micro-batches joined
+    (:func:`_joined_dfs`)."""
     chosen = []
     for mb in plan_micro_batches(trie, token_budget, cost_model=cost_model, mode="auto"):
         shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
@@ -122,7 +124,7 @@ def auto_micro_batches(
         if mode == "dfs" and len(run) > 1:
             run = _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit, modes)
         out.extend(run)
-    return [(mb, {m: p[0] for m, p in predictions.items()}) for mb, predictions in out]
+    return out
 
 
 def _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit, modes):

@@ -22,17 +22,15 @@ def micro_batch_choices(
 ) -> list[dict]:
     """The micro-batches ``"auto"`` runs ``trie`` as
     (:func:`~treeattn_lab.engine.call_plan.auto_micro_batches`: the budget's cuts, neighbouring dfs ones
-    joined) and, per micro-batch, the cost model's predictions
-    ``{mode: (seconds, bytes)}`` on its shape and the mode ``"auto"`` runs it in."""
-    from ...engine import MODES, CostModel, MicroBatchShape
+    joined) and, per micro-batch, the cost model's predictions ``{mode: (seconds, bytes)}`` and the mode
+    ``"auto"`` runs it in."""
+    from ...engine import CostModel
     from ...engine.call_plan import auto_micro_batches
 
     cost_model = cost_model or CostModel()
     rows = []
     planned = auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit)
-    for j, (mb, _) in enumerate(planned):
-        shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
-        choice, predictions = mb.mode, {m: cost_model.predict(shape, m) for m in MODES}
+    for j, (mb, predictions) in enumerate(planned):
         rows.append(
             {
                 "micro_batch": j,
@@ -40,7 +38,7 @@ def micro_batch_choices(
                 "flat_tokens": mb.flat_tokens,
                 "tree_tokens": mb.tree_tokens,
                 "carried_tokens": mb.carried_tokens,
-                "choice": choice,
+                "choice": mb.mode,
                 "predicted": predictions,
                 "calibrated": cost_model.calibrated,
             }
