@@ -112,8 +112,33 @@ def test_figure_when_asked():
     assert isinstance(mon.figure(widget=True), go.FigureWidget)
 
 
-def test_live_figure_is_redrawn_by_the_sampler(capsys):
+PLOTLY_MIME, WIDGET_MIME = "application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json"
+
+
+class RecordingHandle:
+    """Stands for IPython's ``display``: records what is shown, and each update of its display handle."""
+
+    def __init__(self):
+        self.shown, self.updates = [], []
+
+    def __call__(self, bundle, raw=False, display_id=False):
+        self.shown.append((bundle, raw, display_id))
+        return self
+
+    def update(self, bundle, raw=False):
+        self.updates.append((bundle, raw))
+
+
+def test_live_widget_is_redrawn_by_the_sampler_then_replaced_by_a_static_figure(monkeypatch):
+    """The sampler redraws the live widget; on exit a static figure of the whole run takes its place
+    through the display handle (the widget's early redraws may never reach a page still loading it)."""
+    import IPython.display
+
     pytest.importorskip("anywidget")
+    pio = pytest.importorskip("plotly.io")
+    display = RecordingHandle()
+    monkeypatch.setattr(IPython.display, "display", display)
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # JupyterLab's renderer
     with LiveMonitor(title="live", hz=20, refresh_s=0.1, display="widget") as mon:
         fig = mon._figure
         deadline = time.time() + 5
@@ -122,8 +147,12 @@ def test_live_figure_is_redrawn_by_the_sampler(capsys):
         assert len(fig.data[0].x) >= 3
         mon.step(1.0)
     assert mon._redraw_error is None
-    assert len(fig.data[0].x) == len(mon.samples) and list(fig.data[-1].y) == [1.0]
-    capsys.readouterr()  # display() outside a kernel prints the widget's repr
+    [(bundle, raw, display_id)] = display.shown
+    assert WIDGET_MIME in bundle and raw and display_id is True
+    [(final, raw)] = display.updates
+    traces = {t["meta"]: t for t in final[PLOTLY_MIME]["data"]}
+    assert raw and len(traces["rss"]["x"]) == len(mon.samples) and list(traces["latency"]["y"]) == [1.0]
+    assert fig.comm is None  # the widget is closed
 
 
 def test_sampler_errors_are_reported_not_lost(monkeypatch):

@@ -74,6 +74,7 @@ class LiveMonitor:
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
         self._figure = None
+        self._display = None  # the IPython display handle of the live figure
         self._mode = "none"  # what this run shows: "widget", "text" or "none"
         self._notes: list[str] = []  # what could not be measured or shown, and why
         self._nvml = False
@@ -117,7 +118,7 @@ class LiveMonitor:
             raise RuntimeError("this LiveMonitor is already running; a monitor cannot be nested in itself")
         self._reset_run_state()
         self._notes = []
-        self._figure = None
+        self._figure = self._display = None
         self._probe_devices()
         self._mode = self._choose_mode()
         self._stop_event.clear()
@@ -125,7 +126,7 @@ class LiveMonitor:
             from IPython.display import display
 
             self._figure = self.figure(widget=True)
-            display(self._figure)
+            self._display = display(self._figure._repr_mimebundle_(), raw=True, display_id=True)
         self._t0 = self._last_mark = time.perf_counter()  # the clock starts with the body
         self._record_sample()  # one sample at t = 0, before the body runs
         self._thread = threading.Thread(target=self._run, name=f"LiveMonitor({self.title})", daemon=True)
@@ -146,7 +147,7 @@ class LiveMonitor:
             self._sampler_error = self._sampler_error or e
         self._t_end = time.perf_counter()
         if self._mode == "widget" and self._figure is not None:
-            self._redraw()
+            self._show_final_figure()
             if self._redraw_error is not None:  # the figure is stale: say so in text
                 print(self.summary())
         elif self._mode == "text":
@@ -383,6 +384,19 @@ class LiveMonitor:
             samples, steps = list(self._samples), list(self._steps)
         head = self._headline(self.stats())
         fill_figure(fig, history_columns(samples, steps, self.devices), f"{self.title}<br><sup>{head}</sup>")
+
+    def _show_final_figure(self) -> None:
+        """Replace the live widget with a static figure of the whole run, and close the widget.
+
+        A widget's redraws are events: those that reach the page before its front end has loaded are
+        lost, so a short block can leave the widget empty. The static figure carries its data, draws
+        whenever the page is ready, and stays in the saved notebook."""
+        try:
+            self._display.update(self.figure()._repr_mimebundle_(), raw=True)
+            self._figure.close()
+        except Exception as e:  # a redraw must never break the user's work
+            self._redraw_error = e
+            self._notes.append(f"final redraw failed ({type(e).__name__}: {str(e)[:80]})")
 
     def _redraw(self) -> None:
         try:
