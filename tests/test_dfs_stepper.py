@@ -302,6 +302,8 @@ def test_micro_batches_with_a_calibrated_model_and_a_memory_limit():
     assert len(plan_micro_batches(trie, 5000)) > 1
     table = viz.draw_micro_batch_table(tight)
     assert len(table.data[0].header.values) == 5 + 3 + 3 + 1
+    assert tight[0]["block_tokens"] >= 4096 and tight[0]["predicted"]["dfs"][1] <= 10 * 2**30
+    assert table.data[0].cells.values[-1][0] == f"<b>dfs @ {tight[0]['block_tokens']}</b>"
 
 
 def train_bench_payload():

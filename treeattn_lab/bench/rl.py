@@ -124,7 +124,7 @@ def grpo_step(policy, reference, optimizer, trie, masks, advantages, *, mode, **
     result, row["train_s"], row["train_peak"], row["train_extra"] = _measured(train, device)
     row["step_s"] = sum(row[f"{p}_s"] for p in PHASES)
     row["loss"] = result.loss
-    row["choices"] = ",".join(sorted(set(result.report.modes)))
+    row["choices"] = result.report.choices
     return row
 
 

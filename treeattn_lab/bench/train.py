@@ -173,7 +173,7 @@ def timed_steps(model, optimizer, trie, *, mode, reps, warmup, **kwargs) -> dict
         "step_s": statistics.median(times),
         "peak_gib": None if peak is None else peak / 2**30,
         "activation_gib": None if peak is None else (peak - static) / 2**30,
-        "choices": ",".join(sorted(set(rep.modes))),
+        "choices": rep.choices,
         "recomputed_tokens": rep.recomputed_tokens,
         "loss": result.loss,
     }

@@ -6,8 +6,10 @@ for each micro-batch's shape (:func:`auto_micro_batches`); while dropout is acti
 ``"dfs"`` for a gradient pass (DFS runs prefixes twice and needs the same activations both times).
 Neighbouring micro-batches it puts in ``"dfs"`` then run as one where the cost model predicts that one
 fits the memory limit: a DFS micro-batch's memory is its block and its path, not its tokens, and the
-joined one computes no prefix twice across the cut. :func:`engine_micro_batches` is that plan, shared
-with the distributed balancer.
+joined one computes no prefix twice across the cut. Under a memory limit each DFS micro-batch then runs
+in the fastest block size of :func:`dfs_block_ladder` whose predicted peak fits it: ``block_tokens`` is
+the smallest block, and memory the limit leaves unused buys fewer, larger calls.
+:func:`engine_micro_batches` is that plan, shared with the distributed balancer.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def auto_micro_batches(
     """The micro-batches ``"auto"`` runs, each with its ``mode`` set, and what the cost model predicts for
     it per mode, ``{mode: (seconds, bytes)}``: the budget's cuts, each in the fastest of ``modes`` that
     fits ``memory_limit``; then each run of neighbouring ``"dfs"`` micro-batches joined
-    (:func:`_joined_dfs`)."""
+    (:func:`_joined_dfs`); then, under ``memory_limit``, each ``"dfs"`` one in its block size
+    (:func:`_fastest_fitting_block`, which sets its ``block_tokens``; ``"dfs"`` then predicts that size)."""
     chosen = []
     for mb in plan_micro_batches(trie, token_budget, cost_model=cost_model, mode="auto"):
         shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
@@ -124,7 +127,35 @@ def auto_micro_batches(
         if mode == "dfs" and len(run) > 1:
             run = _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit, modes)
         out.extend(run)
-    return out
+    if memory_limit is None:
+        return out
+    return [
+        _fastest_fitting_block(mb, p, block_tokens, token_budget, cost_model, memory_limit)
+        if mb.mode == "dfs"
+        else (mb, p)
+        for mb, p in out
+    ]
+
+
+def dfs_block_ladder(block_tokens: int, tree_tokens: int) -> list[int]:
+    """The DFS block sizes ``"auto"`` weighs under a memory limit: ``block_tokens`` doubled until one
+    block holds all ``tree_tokens`` of the micro-batch."""
+    ladder = [block_tokens]
+    while ladder[-1] < tree_tokens:
+        ladder.append(ladder[-1] * 2)
+    return ladder
+
+
+def _fastest_fitting_block(mb, predictions, block_tokens, token_budget, cost_model, memory_limit):
+    """The dfs micro-batch ``mb`` in the block size of :func:`dfs_block_ladder` predicted fastest among
+    those whose predicted peak fits ``memory_limit``, and its predictions with ``"dfs"`` at that size;
+    ``block_tokens`` where no larger one fits and is faster."""
+    best, best_block = predictions["dfs"], block_tokens
+    for block in dfs_block_ladder(block_tokens, mb.tree_tokens)[1:]:
+        seconds, peak = cost_model.predict(MicroBatchShape.of(mb.trie, block, token_budget), "dfs")
+        if peak <= memory_limit and seconds < best[0]:
+            best, best_block = (seconds, peak), block
+    return replace(mb, block_tokens=best_block), {**predictions, "dfs": best}
 
 
 def _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit, modes):

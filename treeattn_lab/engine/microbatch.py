@@ -47,6 +47,7 @@ class MicroBatch:
     trie: RolloutTrie = field(repr=False)
     carried_tokens: int  # prefix tokens shared with the previous micro-batch, computed again here
     mode: str | None = None  # the mode a plan fixed for it (see engine.call_plan); None: not yet chosen
+    block_tokens: int | None = None  # the DFS block size a plan fixed for it; None: the engine call's
 
     @property
     def flat_tokens(self) -> int:

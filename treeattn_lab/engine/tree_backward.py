@@ -56,6 +56,7 @@ class TreeBackwardReport:
     """
 
     modes: list[str] = field(default_factory=list)  # per micro-batch
+    block_tokens: list[int] = field(default_factory=list)  # per micro-batch: the DFS block size it ran in
     predicted_s: list[dict] = field(default_factory=list)  # per micro-batch: mode -> predicted seconds
     flat_tokens: int = 0  # tokens of all rollouts, counted per rollout
     tree_tokens: int = 0  # tokens of the micro-batches' tries
@@ -69,6 +70,12 @@ class TreeBackwardReport:
     @property
     def recomputed_tokens(self) -> int:
         return self.no_grad_tokens + self.carried_tokens
+
+    @property
+    def choices(self) -> str:
+        """The modes the call ran, sorted, a DFS one with its block size: ``"dfs@8192,packed"``."""
+        labels = {f"dfs@{b}" if m == "dfs" else m for m, b in zip(self.modes, self.block_tokens, strict=True)}
+        return ",".join(sorted(labels))
 
 
 @dataclass
@@ -287,6 +294,7 @@ def tree_backward(
         check_rollout_count(objective, trie.num_sequences)
     weights = check_token_weights(trie, token_weights) if objective is None else None
     report = TreeBackwardReport(flat_tokens=sum(trie.seq_lengths), modes=list(plan.modes))
+    report.block_tokens = [mb.block_tokens or block_tokens for mb in plan.micro_batches]
     report.predicted_s = list(plan.predicted_s)
     report.tree_tokens = sum(mb.tree_tokens for mb in plan.micro_batches)
     losses = torch.zeros(trie.num_sequences, dtype=torch.float64)

@@ -22,8 +22,8 @@ def micro_batch_choices(
 ) -> list[dict]:
     """The micro-batches ``"auto"`` runs ``trie`` as
     (:func:`~treeattn_lab.engine.call_plan.auto_micro_batches`: the budget's cuts, neighbouring dfs ones
-    joined) and, per micro-batch, the cost model's predictions ``{mode: (seconds, bytes)}`` and the mode
-    ``"auto"`` runs it in."""
+    joined, under ``memory_limit`` each dfs one in its block size) and, per micro-batch, the cost model's
+    predictions ``{mode: (seconds, bytes)}``, the mode ``"auto"`` runs it in and its DFS block size."""
     from ...engine import CostModel
     from ...engine.call_plan import auto_micro_batches
 
@@ -39,6 +39,7 @@ def micro_batch_choices(
                 "tree_tokens": mb.tree_tokens,
                 "carried_tokens": mb.carried_tokens,
                 "choice": mb.mode,
+                "block_tokens": mb.block_tokens or block_tokens,
                 "predicted": predictions,
                 "calibrated": cost_model.calibrated,
             }
@@ -74,7 +75,8 @@ def draw_micro_batches(trie, rows: Sequence[Mapping], *, title: str | None = Non
 
 
 def draw_micro_batch_table(rows: Sequence[Mapping]) -> go.Figure:
-    """The micro-batches as a table: sizes, predicted time (and memory, when calibrated) per mode, choice."""
+    """The micro-batches as a table: sizes, predicted time (and memory, when calibrated) per mode, choice
+    (a dfs one with its block size)."""
     if not rows:
         raise ValueError("rows is empty")
     modes = list(rows[0]["predicted"])
@@ -94,7 +96,8 @@ def draw_micro_batch_table(rows: Sequence[Mapping]) -> go.Figure:
     cols += [[f"{r['predicted'][m][0] * 1e3:.1f}" for r in rows] for m in modes]
     if calibrated:
         cols += [[f"{r['predicted'][m][1] / GIB:.1f}" for r in rows] for m in modes]
-    cols.append([f"<b>{r['choice']}</b>" for r in rows])
+    chosen = [f"{r['choice']} @ {r['block_tokens']}" if r["choice"] == "dfs" else r["choice"] for r in rows]
+    cols.append([f"<b>{c}</b>" for c in chosen])
     height = 70 + 24 * (len(rows) + 1)
     return table_figure(header, cols, height=height, header_align="right", cell_align="right")
 
