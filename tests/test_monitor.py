@@ -112,23 +112,6 @@ def test_figure_when_asked():
     assert isinstance(mon.figure(widget=True), go.FigureWidget)
 
 
-PLOTLY_MIME, WIDGET_MIME = "application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json"
-
-
-class RecordingHandle:
-    """Stands for IPython's ``display``: records what is shown, and each update of its display handle."""
-
-    def __init__(self):
-        self.shown, self.updates = [], []
-
-    def __call__(self, bundle, raw=False, display_id=False):
-        self.shown.append((bundle, raw, display_id))
-        return self
-
-    def update(self, bundle, raw=False):
-        self.updates.append((bundle, raw))
-
-
 def test_live_widget_is_redrawn_by_the_sampler_then_replaced_by_a_static_figure(monkeypatch):
     """The sampler redraws the live widget; on exit a static figure of the whole run takes its place
     through the display handle (the widget's early redraws may never reach a page still loading it)."""
@@ -136,6 +119,8 @@ def test_live_widget_is_redrawn_by_the_sampler_then_replaced_by_a_static_figure(
 
     pytest.importorskip("anywidget")
     pio = pytest.importorskip("plotly.io")
+    from tests.test_live_figure import PLOTLY_MIME, WIDGET_MIME, RecordingHandle
+
     display = RecordingHandle()
     monkeypatch.setattr(IPython.display, "display", display)
     monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # JupyterLab's renderer
@@ -153,6 +138,24 @@ def test_live_widget_is_redrawn_by_the_sampler_then_replaced_by_a_static_figure(
     traces = {t["meta"]: t for t in final[PLOTLY_MIME]["data"]}
     assert raw and len(traces["rss"]["x"]) == len(mon.samples) and list(traces["latency"]["y"]) == [1.0]
     assert fig.comm is None  # the widget is closed
+
+
+def test_a_failing_static_figure_is_noted_and_never_breaks_the_work(monkeypatch, capsys):
+    import IPython.display
+
+    pytest.importorskip("anywidget")
+    pio = pytest.importorskip("plotly.io")
+    from tests.test_live_figure import RecordingHandle
+
+    display = RecordingHandle(fail_update=True)
+    monkeypatch.setattr(IPython.display, "display", display)
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")
+    with LiveMonitor(title="lost page", display="widget") as mon:
+        mon.step(1.0)
+    assert isinstance(mon._redraw_error, OSError) and mon._figure.comm is None
+    assert any("static figure could not be shown (OSError: the page went away)" in n for n in mon.notes)
+    out = capsys.readouterr().out  # the figure is stale: the numbers are printed instead
+    assert out.startswith("lost page:") and "1 steps" in out
 
 
 def test_sampler_errors_are_reported_not_lost(monkeypatch):

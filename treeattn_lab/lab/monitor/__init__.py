@@ -18,8 +18,10 @@ What it records
 
 Where it shows them
     Inside a Jupyter kernel: a plotly ``FigureWidget`` with two panels, memory over time and latency per
-    step. The sampling thread redraws it every ``refresh_s`` seconds, so it stays live even while the
-    main thread is stuck in one long call; it is drawn once more, complete, on exit. Elsewhere (a script,
+    step, shown through :class:`treeattn_lab.lab.viz.LiveFigure`. The sampling thread redraws it every
+    ``refresh_s`` seconds, so it stays live even while the main thread is stuck in one long call; on exit
+    it is drawn once more, complete, and a static figure of it takes its place (which the saved notebook
+    keeps, and which a page still loading the widget draws all the same). Elsewhere (a script,
     a terminal, pytest) a short text summary is printed on exit. ``display="none"`` shows nothing; the
     histories stay readable through :attr:`samples`, :attr:`steps`, :meth:`stats` and :meth:`summary`.
 

@@ -73,8 +73,8 @@ class LiveMonitor:
         self._steps: deque[Step] = deque(maxlen=self.max_steps)
         self._thread: threading.Thread | None = None
         self._stop_event = threading.Event()
-        self._figure = None
-        self._display = None  # the IPython display handle of the live figure
+        self._figure = None  # the live widget, written by one thread at a time (see the package docstring)
+        self._live = None  # the LiveFigure that shows it, and replaces it with a static figure on exit
         self._mode = "none"  # what this run shows: "widget", "text" or "none"
         self._notes: list[str] = []  # what could not be measured or shown, and why
         self._nvml = False
@@ -118,15 +118,15 @@ class LiveMonitor:
             raise RuntimeError("this LiveMonitor is already running; a monitor cannot be nested in itself")
         self._reset_run_state()
         self._notes = []
-        self._figure = self._display = None
+        self._figure = self._live = None
         self._probe_devices()
         self._mode = self._choose_mode()
         self._stop_event.clear()
         if self._mode == "widget":  # drawn before the clock starts: building it is not the body's time
-            from IPython.display import display
+            from ..viz.live import LiveFigure
 
-            self._figure = self.figure(widget=True)
-            self._display = display(self._figure._repr_mimebundle_(), raw=True, display_id=True)
+            self._live = LiveFigure(self.figure())
+            self._figure = self._live.show()
         self._t0 = self._last_mark = time.perf_counter()  # the clock starts with the body
         self._record_sample()  # one sample at t = 0, before the body runs
         self._thread = threading.Thread(target=self._run, name=f"LiveMonitor({self.title})", daemon=True)
@@ -386,17 +386,23 @@ class LiveMonitor:
         fill_figure(fig, history_columns(samples, steps, self.devices), f"{self.title}<br><sup>{head}</sup>")
 
     def _show_final_figure(self) -> None:
-        """Replace the live widget with a static figure of the whole run, and close the widget.
+        """Draw the whole run into the widget, then let its :class:`~treeattn_lab.lab.viz.LiveFigure`
+        replace it with a static figure of that state and close it.
 
         A widget's redraws are events: those that reach the page before its front end has loaded are
         lost, so a short block can leave the widget empty. The static figure carries its data, draws
-        whenever the page is ready, and stays in the saved notebook."""
+        whenever the page is ready, and stays in the saved notebook. The widget is closed even when the
+        last redraw fails; the failure is noted, never raised."""
         try:
-            self._display.update(self.figure()._repr_mimebundle_(), raw=True)
-            self._figure.close()
+            self._fill(self._figure)
         except Exception as e:  # a redraw must never break the user's work
             self._redraw_error = e
             self._notes.append(f"final redraw failed ({type(e).__name__}: {str(e)[:80]})")
+        try:
+            self._live.finish()
+        except Exception as e:
+            self._redraw_error = self._redraw_error or e
+            self._notes.append(f"the static figure could not be shown ({type(e).__name__}: {str(e)[:80]})")
 
     def _redraw(self) -> None:
         try:

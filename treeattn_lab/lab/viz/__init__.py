@@ -1,8 +1,10 @@
 """Plotly drawings shared by the notebooks, one module per subject; every name is importable from here.
 
 Every drawing is pure: it takes data, returns a ``plotly.graph_objects.Figure`` and never calls
-``.show()``. Display the figure yourself (a notebook shows the last expression of a cell), or wrap it in
-``go.FigureWidget(fig)`` to update it from an ipywidgets control.
+``.show()``. Display the figure yourself (a notebook shows the last expression of a cell), wrap it in
+``go.FigureWidget(fig)`` to update it from an ipywidgets control, or, to watch a loop fill it, in
+:class:`LiveFigure`: ``with LiveFigure(fig) as widget:`` shows a widget to update in the loop and
+leaves a static figure of its final state in the notebook.
 
 ========================  ==========================================================================
 module                    what it draws
@@ -23,6 +25,7 @@ module                    what it draws
 :mod:`.gpu_timeline`      a profiled run: kernels and NCCL transfers per stream over time
 :mod:`.bench`             benchmark result files and figures (tree, train, sparse; live speed sweeps)
 :mod:`.rl`                a sampled GRPO batch's trie with text, live reward and time panels, phase times
+:mod:`.live`              :class:`LiveFigure`: a figure updated live while a loop runs, saved complete
 :mod:`.style`             the shared colours, colour scales, legend entries and tables
 ========================  ==========================================================================
 """
@@ -56,6 +59,7 @@ from .engine_modes import (
     mode_memory_rows,
 )
 from .gpu_timeline import FAMILY_COLORS, draw_gpu_timeline
+from .live import LiveFigure
 from .masks import draw_mask, draw_masks_side_by_side, flat_causal_mask
 from .micro_batches import draw_micro_batch_table, draw_micro_batches, micro_batch_choices, micro_batch_colors
 from .ring import draw_layouts, draw_ring_work
@@ -98,6 +102,7 @@ __all__ = [
     "TILE_NAMES",
     "TILE_PARTIAL",
     "TILE_SKIPPED",
+    "LiveFigure",
     "add_grpo_record",
     "add_speed_point",
     "bfs_nodes",

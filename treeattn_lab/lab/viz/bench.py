@@ -153,7 +153,8 @@ def draw_bench_summary(
 
 def draw_speed_sweep(backends: Sequence[str], *, x_title: str = "prompt length", title: str | None = None):
     """Empty two-panel figure (fwd+bwd latency, fwd+bwd TFLOP/s) with one line per backend, to be filled
-    point by point with :func:`add_speed_point` (wrap it in ``go.FigureWidget`` to watch it grow)."""
+    point by point with :func:`add_speed_point` (show it through :class:`~treeattn_lab.lab.viz.LiveFigure`
+    to watch it grow)."""
     if not backends:
         raise ValueError("backends is empty")
     fig = make_subplots(
@@ -192,7 +193,7 @@ def draw_speed_sweep(backends: Sequence[str], *, x_title: str = "prompt length",
 
 def add_speed_point(fig, row: Mapping, x) -> None:
     """Append one ``run_case`` row (one backend) at ``x`` to a :func:`draw_speed_sweep` figure, in place
-    (a ``go.FigureWidget`` redraws at once)."""
+    (the widget of a :class:`~treeattn_lab.lab.viz.LiveFigure` redraws at once)."""
     traces = [t for t in fig.data if t.name == row["backend"] and t.meta in ("fwd_bwd_ms", "fwd_bwd_tflops")]
     if not traces:
         raise KeyError(f"the figure has no line for backend {row['backend']!r}")

@@ -3,7 +3,8 @@
 - :func:`draw_sampled_trie`: :func:`treeattn_lab.lab.viz.draw_trie` of a sampled batch, hover showing each
   node's text (decoded) and the reward of the rollouts ending there.
 - :func:`draw_grpo_live` / :func:`add_grpo_record`: reward and log-prob + training seconds per step, one
-  line per loop; wrap the figure in ``go.FigureWidget`` and add each step's record as it arrives.
+  line per loop; show the figure through :class:`treeattn_lab.lab.viz.LiveFigure` and add each step's
+  record to its widget as it arrives.
 - :func:`draw_phase_times`: mean seconds per phase (sample, reward, log-probs, train), loops side by side.
 
 Pure functions: data in, a ``plotly.graph_objects.Figure`` out (``add_grpo_record`` updates the one given).
