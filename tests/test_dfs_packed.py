@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention.flex_attention import create_block_mask
 
 from tests.conftest import orders, rollout_forests
 from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
@@ -19,8 +18,9 @@ from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, block_attenti
 from treeattn_lab.engine import dfs as engine_dfs
 from treeattn_lab.engine.adapters import adapt
 from treeattn_lab.engine.attention import prefix_tree
+from treeattn_lab.ops import fa4_rule
 from treeattn_lab.ops.fa4_tree import fa4_available
-from treeattn_lab.ops.flex import flex_attention
+from treeattn_lab.ops.flex import block_mask_from_tiles, flex_attention
 from treeattn_lab.patterns.tree import tree_visibility
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
@@ -95,13 +95,13 @@ def test_a_block_sees_the_whole_prefix_and_the_tree_rule_inside_it(seqs, order, 
 
 def test_a_walk_runs_one_kernel_chosen_by_its_mean_block(monkeypatch):
     q = torch.zeros(1, 5, 8, 128, dtype=torch.bfloat16)  # 8 heads of 128: work = rectangle x 1024
-    rectangles = [2**20, 2**26 - 2**20, 3 * 2**25, 3 * 2**25]  # mean 2^26
-    assert block_attention.WalkKernel(rectangles).mean_rectangle == 2**26
+    rectangles = [2**20, 6 * 2**23 - 2**20, 3 * 2**23, 3 * 2**23]  # mean 3 x 2^23
+    assert block_attention.WalkKernel(rectangles).mean_rectangle == 3 * 2**23
     assert block_attention.WalkKernel([]).mean_rectangle == 0
     assert block_attention.WalkKernel(rectangles)(q) == "sdpa"  # no FA4 on this machine
     monkeypatch.setattr(block_attention, "runs_fa4", lambda q: True)
-    assert block_attention.WalkKernel(rectangles)(q) == "fa4"  # 2^26 x 1024 = the threshold
-    assert block_attention.WalkKernel(rectangles[:-1] + [3 * 2**25 - 4])(q) == "sdpa"  # just below it
+    assert block_attention.WalkKernel(rectangles)(q) == "fa4"  # 3 x 2^23 x 1024 = the threshold
+    assert block_attention.WalkKernel(rectangles[:-1] + [3 * 2**23 - 4])(q) == "sdpa"  # just below it
     assert block_attention.WalkKernel([2**20] * 7 + [2**29])(q) == "fa4"  # one large block pays for all
     walk_kernel = block_attention.WalkKernel(rectangles)
     assert walk_kernel(q) == "fa4"
@@ -127,38 +127,53 @@ def long_forest(seed: int) -> list[list[int]]:
     return [trunk + torch.randint(1, 99, (n,), generator=g).tolist() for n in tails]
 
 
+def dense_tiles(mask: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial, full)`` ``[query tiles, key tiles]`` of a dense ``[n, s]`` mask: a tile is met when it
+    holds a seen pair, full when it is a whole ``tile x tile`` square of seen pairs."""
+    n, s = mask.shape
+    padded = torch.zeros(-(-n // tile) * tile, -(-s // tile) * tile, dtype=torch.bool)
+    padded[:n, :s] = mask
+    tiles = padded.view(padded.shape[0] // tile, tile, -1, tile).transpose(1, 2).flatten(2)
+    seen, full = tiles.any(-1), tiles.all(-1)
+    return seen & ~full, full
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_flex_block_mask_of_a_block_attends_like_its_dense_mask(seed):
-    """Blocks several 128-token tiles long: FlexAttention under the rule's BlockMask (what FA4 runs, here
-    FlexAttention's eager CPU code) gives SDPA's output under the dense mask."""
+def test_the_fa4_tiles_of_a_block_are_those_of_its_dense_mask(seed):
+    """Blocks several 128-token tiles long: the tiles FA4 visits (partial: masked, full: unmasked) are
+    those of the dense mask, forward and transposed for backward; the padded rule hides the padding; and
+    attention under those tiles (FlexAttention's eager CPU code given the same tiles and rule) gives
+    SDPA's output under the dense mask."""
     g = torch.Generator().manual_seed(seed)
     pack = RolloutTrie.from_sequences(long_forest(seed)).pack()
-    tree_blocks = longest = partial = 0
+    tree_blocks = longest = partial_tiles = 0
     for _, b in engine_dfs.walk(pack, 333, push_blocks=engine_dfs.PUSH_BLOCKS)[1]:
         n, p = b.end - b.start, b.position
-        q = torch.randn(1, n, 4, 16, generator=g)
-        keys, values = (torch.randn(1, p + n, 2, 16, generator=g) for _ in range(2))
         first, last = block_attention.block_rule(pack.subtree_end, b.start, b.end, p)
         mask = block_attention.span_mask(pack.subtree_end, b.start, b.end, p)
-        block_mask = block_attention.rule_block_mask(first, last, n)
-        dense = create_block_mask(lambda b_, h, i, j, m=mask: m[i, j], None, None, n, p + n, device="cpu")
-        assert torch.equal(block_mask.to_dense(), dense.to_dense())  # the tiles visited ...
-        assert torch.equal(full_tiles(block_mask), full_tiles(dense))  # ... and those run unmasked
-        partial += int(block_mask.kv_num_blocks.sum())
+        padded_first, padded_last, partial, full = block_attention.rule_tiles(first, last, n)
+        want_partial, want_full = dense_tiles(mask, 128)
+        assert torch.equal(partial, want_partial) and torch.equal(full, want_full)
+        assert padded_first.numel() % 128 == 0 and padded_first.numel() - (p + n) < 128
+        assert torch.equal(padded_first[: p + n], first) and torch.equal(padded_last[: p + n], last)
+        assert bool((padded_first[p + n :] >= padded_last[p + n :]).all())  # padded keys: seen by no query
+        sparsity = fa4_rule.rule_sparsity(partial, full, 128)
+        for count, index, tiles in ((sparsity.partial_count, sparsity.partial_index, partial),
+                                    (sparsity.full_count_bwd, sparsity.full_index_bwd, full.T)):
+            assert torch.equal(count[0, 0], tiles.sum(-1, dtype=torch.int32))
+            for row, c in enumerate(count[0, 0].tolist()):
+                assert index[0, 0, row, :c].tolist() == tiles[row].nonzero().flatten().tolist()
+        q = torch.randn(1, n, 4, 16, generator=g)
+        keys, values = (torch.randn(1, p + n, 2, 16, generator=g) for _ in range(2))
+        block_mask = block_mask_from_tiles(
+            partial[None], full[None], block_size=128, seq_lengths=(n, p + n),
+            mask_mod=lambda b_, h, i, j, f=padded_first, l=padded_last: (f[j] <= i) & (i < l[j]))
         got = flex_attention(q, keys, values, block_mask)
         torch.testing.assert_close(got, prefix_tree(q, keys, values, mask), atol=2e-5, rtol=2e-5)
+        partial_tiles += int(partial.sum())
         tree_blocks += b.tree
         longest = max(longest, n)
-    assert tree_blocks and longest > 2 * 128 and partial  # blocks of trees, several tiles long, cut tiles
-
-
-def full_tiles(block_mask) -> torch.Tensor:
-    """``[query tiles, key tiles]`` bool: the tiles a BlockMask runs without its mask_mod."""
-    counts, indices = block_mask.full_kv_num_blocks[0, 0], block_mask.full_kv_indices[0, 0]
-    out = torch.zeros(indices.shape, dtype=torch.bool)
-    for row, (count, index) in enumerate(zip(counts.tolist(), indices, strict=True)):
-        out[row, index[:count].long()] = True
-    return out
+    assert tree_blocks and longest > 2 * 128 and partial_tiles  # blocks of trees, several tiles, cut tiles
 
 
 class NanPath(engine_dfs.PathState):
@@ -312,10 +327,11 @@ def test_dfs_blocks_run_fa4_with_the_gradients_of_fp32_flat(monkeypatch, seed):
     want = bench_train.flat_gradient(reference)
     monkeypatch.setattr(block_attention, "FA4_MIN_WALK_WORK", 0)  # every walk on FA4, however small
     kernels = []
-    run_flex = block_attention.flex_attention
-    monkeypatch.setattr(block_attention, "flex_attention",
-                        lambda *a, **kw: kernels.append(kw["kernel"]) or run_flex(*a, **kw))
+    for name in ("fa4_causal_attention", "fa4_rule_attention"):
+        run = getattr(block_attention, name)
+        monkeypatch.setattr(block_attention, name,
+                            lambda *a, run=run, name=name, **kw: kernels.append(name) or run(*a, **kw))
     tree_backward(model, trie, None, mode="dfs", block_tokens=333)
     got = bench_train.flat_gradient(model)
-    assert kernels and set(kernels) == {"flash"}
+    assert set(kernels) == {"fa4_causal_attention", "fa4_rule_attention"}  # chains and trees
     assert torch.isfinite(got).all() and float((got - want).norm() / want.norm()) < 2e-2

@@ -2,10 +2,11 @@
 
 A DFS step runs every block's attention on one kernel for the whole walk (``engine/block_attention.py``):
 FlashAttention-4 where it runs and the walk's mean block is at least ``FA4_MIN_WALK_WORK``, SDPA
-otherwise. This bench measures both sides of that rule: for each bundled set and block size (the dfs
-blocks of ``bench train``, and the checkpointed ones of its ``dfs-ckpt`` row) one dfs training step
-(``tree_backward``, from zeroed gradients) with every block forced onto SDPA, then onto FA4, beside the
-walk's mean block work and the kernel the rule picks. Without FA4 (a CPU, or no ``[hopper]`` extra) only
+otherwise. This bench measures both sides of that rule: for each bundled set, block size (the dfs
+blocks of ``bench train``, and the longer ones of its ``dfs-ckpt`` row) and the model's checkpointing (none,
+every layer, every layer's MLP) one dfs training step (``tree_backward``, from zeroed gradients) with every
+block forced onto SDPA, then onto FA4, beside the walk's mean block work, the kernel the rule picks and
+the steps' peak memory. Without FA4 (a CPU, or no ``[hopper]`` extra) only
 the SDPA column is measured. The model and sizes are those of ``bench train``.
 """
 
@@ -22,6 +23,7 @@ from ..engine import block_attention
 from ..engine import dfs as engine_dfs
 from ..ops.fa4_tree import fa4_takes
 from ..reference import TinyLM
+from ..reference.tiny_lm import CHECKPOINTING
 from . import harness
 from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, layers_checkpointed, run_setup, timed_tree_backward
 
@@ -51,11 +53,14 @@ def mean_block_work(trie, *, block_tokens: int, heads: int, head_dim: int) -> in
 
 
 def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dict]:
-    """One row per (set, block size, checkpointed): the mean block work, the rule's pick, and the
-    step time with every block on each kernel that runs here (the shortest of ``reps`` after a warm-up)."""
+    """One row per (set, block size, checkpointing: :data:`~treeattn_lab.reference.tiny_lm.CHECKPOINTING`,
+    what the model's backward recomputes): the mean block work, the rule's pick, and the
+    step time with every block on each kernel that runs here (the shortest of ``reps`` after a warm-up) and,
+    on CUDA, the peak memory of those steps."""
     cfg, param = model.cfg, next(model.parameters())
     fa4 = fa4_takes(param.device, param.dtype, cfg.head_dim)
-    jobs = [(name, blocks, ckpt) for name in sets for blocks in block_sizes for ckpt in (False, True)]
+    cuda = param.device.type == "cuda"
+    jobs = [(name, blocks, ckpt) for name in sets for blocks in block_sizes for ckpt in CHECKPOINTING]
     rows = []
     for name, blocks, checkpointed in tqdm(jobs, desc="bench dfs-kernels", unit="walk"):
         trie = bench_trie(name, quick)
@@ -65,10 +70,14 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dic
                "rule_pick": block_attention.WalkKernel.choose(work, fa4)}
         with layers_checkpointed(model, checkpointed):
             for kind in KERNELS if fa4 else ("sdpa",):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(param.device)
                 with forced_kernel(kind):
                     steps = [timed_tree_backward(model, trie, mode="dfs", block_tokens=blocks)
                              for _ in range(reps + 1)]
                 row[f"{kind}_s"] = min(steps[1:])
+                peak = torch.cuda.max_memory_allocated(param.device) if cuda else None
+                row[f"{kind}_peak_gib"] = None if peak is None else peak / 2**30
         if "fa4_s" in row:
             row["faster"] = "fa4" if row["fa4_s"] < row["sdpa_s"] else "sdpa"
         rows.append(row)
@@ -78,7 +87,8 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dic
 
 COLUMNS = [("set", "set"), ("block_tokens", "block"), ("checkpointed", "ckpt"),
            ("mean_work_log2", "log2 mean work"), ("rule_pick", "rule pick"), ("sdpa_s", "SDPA s"),
-           ("fa4_s", "FA4 s"), ("faster", "faster")]
+           ("fa4_s", "FA4 s"), ("faster", "faster"), ("sdpa_peak_gib", "SDPA peak GiB"),
+           ("fa4_peak_gib", "FA4 peak GiB")]
 
 
 def _parse(argv):

@@ -16,10 +16,12 @@ Two kernels run it, one for a whole walk (:class:`WalkKernel`), decided on its f
 event builds its mask once and every layer reads it:
 
 - **FlashAttention-4** where it runs (CUDA compute capability >= 9.0 with the ``[hopper]`` extra, fp16 /
-  bf16, ``ops/fa4_tree.py``) and the walk's blocks are large enough to pay for it
-  (:data:`FA4_MIN_WALK_WORK`): FlexAttention's FLASH backend with the rule's ``BlockMask``. Tiles the
-  rule fills (the prefix's, but for the tile that straddles the block's start and the last query tile)
-  run unmasked, tiles the block's tree leaves empty are skipped, and only the tiles it cuts evaluate it;
+  bf16) and the walk's blocks are large enough to pay for it (:data:`FA4_MIN_WALK_WORK`), called directly
+  (``ops/fa4_rule.py``): a chain with FA4's causal mask, a tree with the rule as FA4's mask function over
+  ``first`` and ``last`` and its :data:`~treeattn_lab.ops.tile_census.FA4_TILE` tiles (:func:`rule_tiles`)
+  as block sparsity. Tiles the rule fills (the prefix's, but for the tile that straddles the block's start
+  and the last query tile) run unmasked, tiles the block's tree leaves empty are skipped, and only the
+  tiles it cuts evaluate it;
 - **SDPA** elsewhere: causal aligned to the bottom right for a chain (FlashAttention on CUDA), and for a
   block holding a tree an explicit additive mask. A masked SDPA kernel computes the whole ``n x (p + n)``
   rectangle, the pairs the mask hides included.
@@ -35,18 +37,19 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.fa4_rule import fa4_causal_attention, fa4_rule_attention, rule_sparsity
 from ..ops.fa4_tree import runs_fa4
-from ..ops.flex import block_mask_from_tiles, flex_attention
 from ..ops.tile_census import FA4_TILE
 from .attention import prefix_tree, suffix_causal
 
-__all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "span_mask"]
+__all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "rule_tiles",
+           "span_mask"]
 
 # A walk runs FA4 when its mean block's ``queries x keys x query heads x head dim`` (the work of the
 # block's SDPA rectangle) is at least this: below it the step is bound by the host, which FA4's costlier
 # calls slow down; above it by the GPU, which its faster kernels speed up (the 0.49B TinyLM on the H200:
-# ``bench dfs-kernels``, the walks of 4096- to 32768-token blocks).
-FA4_MIN_WALK_WORK = 2**36
+# ``bench dfs-kernels``, the walks of 4096- to 32768-token blocks, 2^34 to 2^36.6).
+FA4_MIN_WALK_WORK = 3 * 2**33
 
 
 def block_rule(subtree_end: torch.Tensor, start: int, end: int, position: int):
@@ -75,26 +78,23 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(mask, 0.0)
 
 
-def rule_block_mask(first: torch.Tensor, last: torch.Tensor, num_queries: int):
-    """FlexAttention ``BlockMask`` of the rule over ``[1, H, num_queries, D]`` queries and ``[1, H,
-    len(first), D]`` keys, batch and head independent, built from the tiles (no ``n x (p + n)`` mask):
-    query tile ``[a, b)`` meets key ``j`` exactly when ``max(first[j], a) < min(last[j], b)``, and a
-    tile is full when every key of a whole tile satisfies ``first[j] <= a`` and ``b <= last[j]``
-    (tiles cut by the end of the queries or keys are never full, as in ``create_block_mask``)."""
-    (tile, _), n, s = FA4_TILE, num_queries, first.numel()  # square tiles: FlexAttention's default
+def rule_tiles(first: torch.Tensor, last: torch.Tensor, num_queries: int):
+    """``(first, last, partial, full)``: the rule's vectors padded to whole :data:`FA4_TILE` key tiles
+    with keys no query sees (``first = n``, ``last = 0``), and its ``[query tiles, key tiles]`` bool tiles,
+    built from the vectors (no ``n x (p + n)`` mask): query tile ``[a, b)`` meets key ``j`` exactly when
+    ``max(first[j], a) < min(last[j], b)``; a met tile is *full* when every key of a whole tile satisfies
+    ``first[j] <= a`` and ``b <= last[j]`` (tiles cut by the end of the queries or keys are never full),
+    else *partial*."""
+    (tile, _), n, s = FA4_TILE, num_queries, first.numel()  # square tiles
     key_tiles = -(-s // tile)
-    pad = key_tiles * tile - s  # padded keys: first = n, seen by no query
-    f = torch.nn.functional.pad(first, (0, pad), value=n).view(1, key_tiles, tile)
-    l = torch.nn.functional.pad(last, (0, pad), value=0).view(1, key_tiles, tile)
+    pad = key_tiles * tile - s
+    first = torch.nn.functional.pad(first, (0, pad), value=n)
+    last = torch.nn.functional.pad(last, (0, pad), value=0)
+    f, l = first.view(1, key_tiles, tile), last.view(1, key_tiles, tile)
     a = torch.arange(0, n, tile, device=first.device, dtype=torch.int32)[:, None, None]
     seen = (torch.maximum(f, a) < torch.minimum(l, (a + tile).clamp(max=n))).any(-1)
     full = ((f <= a) & (a + tile <= l)).all(-1)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (first[kv_idx] <= q_idx) & (q_idx < last[kv_idx])
-
-    return block_mask_from_tiles((seen & ~full)[None], full[None], block_size=tile, mask_mod=mask_mod,
-                                 seq_lengths=(n, s))
+    return first, last, seen & ~full, full
 
 
 class WalkKernel:
@@ -129,21 +129,26 @@ class BlockAttention:
                  kernel: WalkKernel):
         self.subtree_end, self.position, self.tree, self.kernel = subtree_end, position, tree, kernel
         self.start, self.end = start, end
-        self.mask = None  # the BlockMask (fa4), the additive mask (sdpa, a tree), or None (sdpa, a chain)
+        # a tree's mask, built on the first layer's call: (first, last, tiles) on fa4, the additive mask
+        # on sdpa; a chain needs none on either
+        self.mask = None
         self.built = False
 
     def __call__(self, q, keys, values, scale=None):
         fa4 = self.kernel(q) == "fa4"
         if not self.built:
-            if fa4:
+            if self.tree and fa4:
                 first, last = block_rule(self.subtree_end, self.start, self.end, self.position)
-                self.mask = rule_block_mask(first, last, self.end - self.start)
+                first, last, partial, full = rule_tiles(first, last, self.end - self.start)
+                self.mask = (first, last, rule_sparsity(partial, full, FA4_TILE[0]))
             elif self.tree:
                 self.mask = additive_mask(span_mask(self.subtree_end, self.start, self.end, self.position),
                                           q.dtype)
             self.built = True
         if fa4:
-            return flex_attention(q, keys, values, self.mask, scale=scale, kernel="flash")
+            if self.mask is None:
+                return fa4_causal_attention(q, keys, values, scale)
+            return fa4_rule_attention(q, keys, values, *self.mask, scale)
         if self.mask is None:
             return suffix_causal(q, keys, values, scale)
         return prefix_tree(q, keys, values, self.mask, scale)

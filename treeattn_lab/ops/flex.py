@@ -44,6 +44,15 @@ def _compiled(kernel: str):
     return torch.compile(fn, dynamic=dynamic)
 
 
+def tile_indices(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[H, rows, columns]`` bool tiles -> int32 counts ``[1, H, rows]`` and indices ``[1, H, rows,
+    columns]``, each row's selected columns first and in order: the layout of a ``BlockMask``'s (and
+    FlashAttention-4's) block sparsity."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[None].contiguous(), order[None].contiguous()
+
+
 def block_mask_from_tiles(partial, full, *, block_size: int, mask_mod, seq_lengths):
     """A batch-independent FlexAttention ``BlockMask`` from its tiles: ``partial`` and ``full``, disjoint
     ``[H, query tiles, key tiles]`` bools (H = 1: every head alike). Full tiles run without the mask,
@@ -51,13 +60,8 @@ def block_mask_from_tiles(partial, full, *, block_size: int, mask_mod, seq_lengt
     ``(queries, keys)``."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    def as_indices(m):  # [H, Q, K] bool -> counts [1, H, Q], indices [1, H, Q, K] (selected first)
-        counts = m.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts[None].contiguous(), order[None].contiguous()
-
-    kv_num, kv_idx = as_indices(partial)
-    full_num, full_idx = as_indices(full)
+    kv_num, kv_idx = tile_indices(partial)
+    full_num, full_idx = tile_indices(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod, seq_lengths=seq_lengths)
 
