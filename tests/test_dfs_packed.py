@@ -299,7 +299,7 @@ def test_the_checkpointed_dfs_row_runs_longer_blocks_checkpointed_and_restores_t
         assert (mode, settings, model.gradient_checkpointing) == ("packed", engine, False)
     with pytest.raises(RuntimeError, match="stop"), bench_train.row_settings(model, "dfs-ckpt", engine) as (
             mode, settings):
-        assert (mode, settings["block_tokens"], model.gradient_checkpointing) == ("dfs", 128, True)
+        assert (mode, settings["block_tokens"], model.gradient_checkpointing) == ("dfs", 256, True)
         raise RuntimeError("stop")
     assert not model.gradient_checkpointing and engine["block_tokens"] == 32
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)

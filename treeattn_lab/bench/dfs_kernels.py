@@ -3,11 +3,11 @@
 A DFS step runs every block's attention on one kernel for the whole walk (``engine/block_attention.py``):
 FlashAttention-4 where it runs and the walk's mean block is at least ``FA4_MIN_WALK_WORK``, SDPA
 otherwise. This bench measures both sides of that rule: for each bundled set, block size (the dfs
-blocks of ``bench train``, and the longer ones of its ``dfs-ckpt`` row) and the model's checkpointing (none,
-every layer, every layer's MLP) one dfs training step (``tree_backward``, from zeroed gradients) with every
-block forced onto SDPA, then onto FA4, beside the walk's mean block work, the kernel the rule picks and
-the steps' peak memory. Without FA4 (a CPU, or no ``[hopper]`` extra) only
-the SDPA column is measured. The model and sizes are those of ``bench train``.
+blocks of ``bench train``, and the longer ones of its ``dfs-ckpt`` row) and with and without the model's
+layers checkpointed, one dfs training step (``tree_backward``, from zeroed gradients) with every block
+forced onto SDPA, then onto FA4, beside the walk's mean block work, the kernel the rule picks and the
+steps' peak memory. Without FA4 (a CPU, or no ``[hopper]`` extra) only the SDPA column is measured. The
+model and sizes are those of ``bench train``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from ..engine import block_attention
 from ..engine import dfs as engine_dfs
 from ..ops.fa4_tree import fa4_takes
 from ..reference import TinyLM
-from ..reference.tiny_lm import CHECKPOINTING
 from . import harness
 from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, layers_checkpointed, run_setup, timed_tree_backward
 
@@ -53,14 +52,13 @@ def mean_block_work(trie, *, block_tokens: int, heads: int, head_dim: int) -> in
 
 
 def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dict]:
-    """One row per (set, block size, checkpointing: :data:`~treeattn_lab.reference.tiny_lm.CHECKPOINTING`,
-    what the model's backward recomputes): the mean block work, the rule's pick, and the
+    """One row per (set, block size, checkpointed): the mean block work, the rule's pick, and the
     step time with every block on each kernel that runs here (the shortest of ``reps`` after a warm-up) and,
     on CUDA, the peak memory of those steps."""
     cfg, param = model.cfg, next(model.parameters())
     fa4 = fa4_takes(param.device, param.dtype, cfg.head_dim)
     cuda = param.device.type == "cuda"
-    jobs = [(name, blocks, ckpt) for name in sets for blocks in block_sizes for ckpt in CHECKPOINTING]
+    jobs = [(name, blocks, ckpt) for name in sets for blocks in block_sizes for ckpt in (False, True)]
     rows = []
     for name, blocks, checkpointed in tqdm(jobs, desc="bench dfs-kernels", unit="walk"):
         trie = bench_trie(name, quick)
@@ -96,7 +94,7 @@ def _parse(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", type=harness.choice_list(SETS), default=["agentic", "low_sharing"])
     parser.add_argument("--block-tokens", type=harness.int_list, default=None,
-                        help="comma list of block sizes (default: bench train's dfs block and 4x it)")
+                        help="comma list of block sizes (default: bench train's dfs and dfs-ckpt blocks)")
     parser.add_argument("--quick", action="store_true", help="tiny model, small subsets (default on a CPU)")
     parser.add_argument("--reps", type=harness.positive_int, default=1)
     harness.add_out_argument(parser)

@@ -4,7 +4,7 @@ A step is ``zero_grad`` + :func:`treeattn_lab.engine.tree_backward` + ``AdamW.st
 TinyLM with random weights (on a GPU about 0.49B parameters, bf16: 24 layers, width 1024, 8 query heads
 and 2 kv heads of 128, SwiGLU 4864, vocabulary 32000), over each bundled rollout set. Modes: ``flat``
 (every rollout on its own, padded), ``packed`` (tree attention over the packed trie), ``dfs`` (path
-materialization), ``dfs-ckpt`` (dfs with the model's layers checkpointed, in blocks four times longer)
+materialization), ``dfs-ckpt`` (dfs with the model's layers checkpointed, in blocks eight times longer)
 and ``auto`` (the cost model, calibrated on this device first, picks per micro-batch among the first three).
 
 Reported per (set, mode): step time, throughput in flat tokens per second (the tokens a flat trainer
@@ -45,7 +45,7 @@ SETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
 # input for backward and recomputes the rest), so that blocks CHECKPOINTED_BLOCKS times longer fit in
 # less memory than dfs's own blocks: fewer, larger calls, and less host work per token
 CHECKPOINTED_DFS = "dfs-ckpt"
-CHECKPOINTED_BLOCKS = 4
+CHECKPOINTED_BLOCKS = 8
 DFS_ROWS = ("dfs", CHECKPOINTED_DFS)
 # run flat and auto only (one timed step each), auto under --memory-limit-gib (see rollout_set)
 LARGE_SETS = ("agentic_x2", "agentic_x4")
