@@ -53,15 +53,13 @@ def cache_path(
     model, block_tokens: int, token_budget: int | None = None, scale_tokens: int | None = None
 ) -> Path:
     """Where a calibration is cached: per model architecture (class, parameter shapes and dtype), device,
-    gradient checkpointing (what it recomputes in backward), engine settings, calibration design
+    gradient checkpointing (it recomputes every layer in backward), engine settings, calibration design
     version and torch version."""
     first = next(model.parameters())
     shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
     arch = hashlib.sha256(f"{type(model).__name__}|{shapes}".encode()).hexdigest()[:16]
     key = f"{type(model).__name__}-{arch}-{first.dtype}-{_device_label(first.device)}"
-    recompute = _gradient_checkpointing(model)
-    if recompute is not False:
-        key += "-checkpointed" + ("" if recompute is True else f"-{recompute}")
+    key += "-checkpointed" if _gradient_checkpointing(model) else ""
     key += f"-block{block_tokens}-budget{token_budget}-scale{_scale(token_budget, scale_tokens)}"
     key += f"-v{CALIBRATION_VERSION}-torch{torch.__version__}"
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
@@ -69,13 +67,10 @@ def cache_path(
     return root / "cost_models" / f"{safe}.json"
 
 
-def _gradient_checkpointing(model) -> bool | str:
-    """What ``model`` recomputes in backward: ``True`` (every layer), ``False``, or a module's partial
-    setting such as TinyLM's ``"mlp"`` (TinyLM sets ``gradient_checkpointing`` on itself, a Hugging Face
-    model on its inner model)."""
-    settings = {getattr(m, "gradient_checkpointing", False) for m in model.modules()}
-    settings = {s for s in settings if s is True or isinstance(s, str)}
-    return True if True in settings else min(settings) if settings else False
+def _gradient_checkpointing(model) -> bool:
+    """Whether any module of ``model`` recomputes its layers in backward (TinyLM sets
+    ``gradient_checkpointing`` on itself, a Hugging Face model on its inner model)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def branching_trie(

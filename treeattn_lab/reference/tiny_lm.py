@@ -147,19 +147,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, rotary: Rotary, attention: Attention, *, recompute_mlp: bool = False):
-        """The block's output; ``recompute_mlp``: its MLP (norm and SwiGLU) keeps only its input for
-        backward and runs again there (a non-reentrant checkpoint)."""
+    def forward(self, x, rotary: Rotary, attention: Attention):
         x = x + self.attn(self.attn_norm(x), rotary, attention)
-        if recompute_mlp:
-            return x + checkpoint(self.feed_forward, x, use_reentrant=False)
-        return x + self.feed_forward(x)
-
-    def feed_forward(self, x):
-        return self.mlp(self.mlp_norm(x))
-
-
-CHECKPOINTING = (False, True, "mlp")  # the values of TinyLM.gradient_checkpointing
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class TinyLM(nn.Module):
@@ -170,9 +160,7 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # what backward recomputes (non-reentrant checkpoints): False nothing, True each block, "mlp" each
-        # block's MLP (the largest activations, and none of the attention over a long context)
-        self.gradient_checkpointing: bool | str = False
+        self.gradient_checkpointing = False  # recompute each block in backward (non-reentrant checkpoint)
         self.apply(self._init)
 
     @staticmethod
@@ -210,17 +198,13 @@ class TinyLM(nn.Module):
     def hidden(self, input_ids, position_ids, per_layer: Sequence[Attention]) -> torch.Tensor:
         """The final norm's output for ``input_ids`` with attention ``per_layer[i]`` in layer ``i``
         (no checks: :meth:`forward` makes them)."""
-        recompute = self.gradient_checkpointing
-        if recompute not in CHECKPOINTING:
-            raise ValueError(f"gradient_checkpointing must be one of {CHECKPOINTING}, got {recompute!r}")
-        recompute = recompute if torch.is_grad_enabled() else False
         x = self.embed(input_ids)
         rotary = self.rotary(position_ids)
         for block, layer_attention in zip(self.blocks, per_layer, strict=True):
-            if recompute is True:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(block, x, rotary, layer_attention, use_reentrant=False)
             else:
-                x = block(x, rotary, layer_attention, recompute_mlp=recompute == "mlp")
+                x = block(x, rotary, layer_attention)
         return self.norm(x)
 
     def forward_padded(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
