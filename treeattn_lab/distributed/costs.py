@@ -117,7 +117,7 @@ class EngineCost:
     def predict(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[str, float, bool]:
         """The mode the engine runs ``micro_batch`` in, its predicted seconds, and whether the model
         predicts it host-bound in that mode."""
-        block_tokens = micro_batch.block_tokens or self.block_tokens  # the size auto grew it to, if any
+        block_tokens = micro_batch.dfs_block_tokens(self.block_tokens)  # the size auto grew it to, if any
         shape = MicroBatchShape.of(micro_batch.trie, block_tokens, token_budget)
         mode = micro_batch.mode or self.mode
         if mode == "auto":

@@ -45,7 +45,7 @@ def _tree(adapter, micro_batch, mode, block_tokens, backend, entropy):
     pack = micro_batch.trie.pack_on(adapter.device)
     plan = LossPlan.from_pack(pack)
     if mode == "dfs":
-        out = dfs_logprobs(adapter, pack, plan, micro_batch.block_tokens or block_tokens, entropy=entropy)
+        out = dfs_logprobs(adapter, pack, plan, micro_batch.dfs_block_tokens(block_tokens), entropy=entropy)
         entry_logp, entry_entropy = out["entry_logp"], out["entry_entropy"]
     else:
         entry_logp, entry_entropy = packed_token_logprobs(

@@ -49,6 +49,10 @@ class MicroBatch:
     mode: str | None = None  # the mode a plan fixed for it (see engine.call_plan); None: not yet chosen
     block_tokens: int | None = None  # the DFS block size a plan fixed for it; None: the engine call's
 
+    def dfs_block_tokens(self, call_block_tokens: int) -> int:
+        """The DFS block size this micro-batch runs in: the one its plan fixed, else the engine call's."""
+        return self.block_tokens or call_block_tokens
+
     @property
     def flat_tokens(self) -> int:
         return sum(self.trie.seq_lengths)

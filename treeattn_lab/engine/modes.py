@@ -118,7 +118,7 @@ def run_dfs_mode(adapter, micro_batch, weights, *, block_tokens: int) -> dict:
     """The micro-batch trained in DFS, in its planned block size (else ``block_tokens``)."""
     pack = micro_batch.trie.pack_on(adapter.device)
     plan = LossPlan.from_pack(pack, weights)
-    out = run_dfs(adapter, pack, plan, micro_batch.block_tokens or block_tokens, packed_subtrees=True)
+    out = run_dfs(adapter, pack, plan, micro_batch.dfs_block_tokens(block_tokens), packed_subtrees=True)
     entry_logp = out.pop("entry_logp")
     out["losses"] = plan.sequence_losses(entry_logp)
     out["logps"] = plan.sequence_values(entry_logp)

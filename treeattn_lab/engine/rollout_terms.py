@@ -184,7 +184,7 @@ def _micro_batch(adapter, objective, mb, mode, *, block_tokens, token_budget, ba
         return [lp.detach() for lp in logps], value, 0
     dtype = torch.promote_types(adapter.dtype, torch.float32)
     scores = TermScores(objective, plan, rollouts, adapter.device, dtype)
-    out = run_dfs(adapter, pack, plan, mb.block_tokens or block_tokens, scores, packed_subtrees=True)
+    out = run_dfs(adapter, pack, plan, mb.dfs_block_tokens(block_tokens), scores, packed_subtrees=True)
     return plan.sequence_values(out["entry_logp"]), scores.value, out["no_grad_tokens"]
 
 

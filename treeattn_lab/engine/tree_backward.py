@@ -294,7 +294,7 @@ def tree_backward(
         check_rollout_count(objective, trie.num_sequences)
     weights = check_token_weights(trie, token_weights) if objective is None else None
     report = TreeBackwardReport(flat_tokens=sum(trie.seq_lengths), modes=list(plan.modes))
-    report.block_tokens = [mb.block_tokens or block_tokens for mb in plan.micro_batches]
+    report.block_tokens = [mb.dfs_block_tokens(block_tokens) for mb in plan.micro_batches]
     report.predicted_s = list(plan.predicted_s)
     report.tree_tokens = sum(mb.tree_tokens for mb in plan.micro_batches)
     losses = torch.zeros(trie.num_sequences, dtype=torch.float64)

@@ -39,7 +39,7 @@ def micro_batch_choices(
                 "tree_tokens": mb.tree_tokens,
                 "carried_tokens": mb.carried_tokens,
                 "choice": mb.mode,
-                "block_tokens": mb.block_tokens or block_tokens,
+                "block_tokens": mb.dfs_block_tokens(block_tokens),
                 "predicted": predictions,
                 "calibrated": cost_model.calibrated,
             }
