@@ -223,3 +223,12 @@ def one_rank_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def long_forest(seed: int) -> list[list[int]]:
+    """Six rollouts below a shared trunk of 150-227 tokens, each 40-299 tokens more: blocks of a few
+    128-token tiles at ``block_tokens`` 333."""
+    g = torch.Generator().manual_seed(seed)
+    trunk = torch.randint(1, 99, (150 + seed * 77,), generator=g).tolist()
+    tails = [int(n) for n in torch.randint(40, 300, (6,), generator=g)]
+    return [trunk + torch.randint(1, 99, (n,), generator=g).tolist() for n in tails]

@@ -10,17 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import orders, rollout_forests
+from tests.conftest import long_forest, orders, rollout_forests
 from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
 from treeattn_lab import RolloutTrie
 from treeattn_lab.bench import train as bench_train
 from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, block_attention, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
 from treeattn_lab.engine.adapters import adapt
-from treeattn_lab.engine.attention import prefix_tree
-from treeattn_lab.ops import fa4_rule
 from treeattn_lab.ops.fa4_tree import fa4_available
-from treeattn_lab.ops.flex import block_mask_from_tiles, flex_attention
 from treeattn_lab.patterns.tree import tree_visibility
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
@@ -116,64 +113,6 @@ def test_a_walk_runs_one_kernel_chosen_by_its_mean_block(monkeypatch):
     assert len(merged) < len(events)  # the training walk merges pushes; its kernel is the same walk's
     state = engine_dfs._path_state(adapt(small_model()), pack, kernel, with_grads=False)
     assert all(engine_dfs.attention_of(state, b).kernel is kernel for _, b in merged)
-
-
-def long_forest(seed: int) -> list[list[int]]:
-    """Six rollouts below a shared trunk of 150-227 tokens, each 40-299 tokens more: blocks of a few
-    128-token tiles at ``block_tokens`` 333."""
-    g = torch.Generator().manual_seed(seed)
-    trunk = torch.randint(1, 99, (150 + seed * 77,), generator=g).tolist()
-    tails = [int(n) for n in torch.randint(40, 300, (6,), generator=g)]
-    return [trunk + torch.randint(1, 99, (n,), generator=g).tolist() for n in tails]
-
-
-def dense_tiles(mask: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(partial, full)`` ``[query tiles, key tiles]`` of a dense ``[n, s]`` mask: a tile is met when it
-    holds a seen pair, full when it is a whole ``tile x tile`` square of seen pairs."""
-    n, s = mask.shape
-    padded = torch.zeros(-(-n // tile) * tile, -(-s // tile) * tile, dtype=torch.bool)
-    padded[:n, :s] = mask
-    tiles = padded.view(padded.shape[0] // tile, tile, -1, tile).transpose(1, 2).flatten(2)
-    seen, full = tiles.any(-1), tiles.all(-1)
-    return seen & ~full, full
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_fa4_tiles_of_a_block_are_those_of_its_dense_mask(seed):
-    """Blocks several 128-token tiles long: the tiles FA4 visits (partial: masked, full: unmasked) are
-    those of the dense mask, forward and transposed for backward; the padded rule hides the padding; and
-    attention under those tiles (FlexAttention's eager CPU code given the same tiles and rule) gives
-    SDPA's output under the dense mask."""
-    g = torch.Generator().manual_seed(seed)
-    pack = RolloutTrie.from_sequences(long_forest(seed)).pack()
-    tree_blocks = longest = partial_tiles = 0
-    for _, b in engine_dfs.walk(pack, 333, push_blocks=engine_dfs.PUSH_BLOCKS)[1]:
-        n, p = b.end - b.start, b.position
-        first, last = block_attention.block_rule(pack.subtree_end, b.start, b.end, p)
-        mask = block_attention.span_mask(pack.subtree_end, b.start, b.end, p)
-        padded_first, padded_last, partial, full = block_attention.rule_tiles(first, last, n)
-        want_partial, want_full = dense_tiles(mask, 128)
-        assert torch.equal(partial, want_partial) and torch.equal(full, want_full)
-        assert padded_first.numel() % 128 == 0 and padded_first.numel() - (p + n) < 128
-        assert torch.equal(padded_first[: p + n], first) and torch.equal(padded_last[: p + n], last)
-        assert bool((padded_first[p + n :] >= padded_last[p + n :]).all())  # padded keys: seen by no query
-        sparsity = fa4_rule.rule_sparsity(partial, full, 128)
-        for count, index, tiles in ((sparsity.partial_count, sparsity.partial_index, partial),
-                                    (sparsity.full_count_bwd, sparsity.full_index_bwd, full.T)):
-            assert torch.equal(count[0, 0], tiles.sum(-1, dtype=torch.int32))
-            for row, c in enumerate(count[0, 0].tolist()):
-                assert index[0, 0, row, :c].tolist() == tiles[row].nonzero().flatten().tolist()
-        q = torch.randn(1, n, 4, 16, generator=g)
-        keys, values = (torch.randn(1, p + n, 2, 16, generator=g) for _ in range(2))
-        block_mask = block_mask_from_tiles(
-            partial[None], full[None], block_size=128, seq_lengths=(n, p + n),
-            mask_mod=lambda b_, h, i, j, f=padded_first, l=padded_last: (f[j] <= i) & (i < l[j]))
-        got = flex_attention(q, keys, values, block_mask)
-        torch.testing.assert_close(got, prefix_tree(q, keys, values, mask), atol=2e-5, rtol=2e-5)
-        partial_tiles += int(partial.sum())
-        tree_blocks += b.tree
-        longest = max(longest, n)
-    assert tree_blocks and longest > 2 * 128 and partial_tiles  # blocks of trees, several tiles, cut tiles
 
 
 class NanPath(engine_dfs.PathState):

@@ -74,8 +74,8 @@ def kernel_rows(model, sets, *, quick: bool, block_sizes, reps: int) -> list[dic
                     steps = [timed_tree_backward(model, trie, mode="dfs", block_tokens=blocks)
                              for _ in range(reps + 1)]
                 row[f"{kind}_s"] = min(steps[1:])
-                peak = torch.cuda.max_memory_allocated(param.device) if cuda else None
-                row[f"{kind}_peak_gib"] = None if peak is None else peak / 2**30
+                peak = torch.cuda.max_memory_allocated(param.device) / 2**30 if cuda else None
+                row[f"{kind}_peak_gib"] = peak
         if "fa4_s" in row:
             row["faster"] = "fa4" if row["fa4_s"] < row["sdpa_s"] else "sdpa"
         rows.append(row)

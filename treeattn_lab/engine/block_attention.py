@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.fa4_rule import fa4_causal_attention, fa4_rule_attention, rule_sparsity
+from ..ops.fa4_rule import RuleMask, fa4_causal_attention, fa4_rule_attention, rule_sparsity
 from ..ops.fa4_tree import runs_fa4
 from ..ops.tile_census import FA4_TILE
 from .attention import prefix_tree, suffix_causal
@@ -47,8 +47,8 @@ __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask",
 
 # A walk runs FA4 when its mean block's ``queries x keys x query heads x head dim`` (the work of the
 # block's SDPA rectangle) is at least this: below it the step is bound by the host, which FA4's costlier
-# calls slow down; above it by the GPU, which its faster kernels speed up (the 0.49B TinyLM on the H200:
-# ``bench dfs-kernels``, the walks of 4096- to 32768-token blocks, 2^34 to 2^36.6).
+# calls slow down; above it by the GPU, which its faster kernels speed up. Set from ``bench dfs-kernels``
+# (bench/results/dfs-kernels__*), which times a dfs step on each kernel.
 FA4_MIN_WALK_WORK = 3 * 2**33
 
 
@@ -129,8 +129,8 @@ class BlockAttention:
                  kernel: WalkKernel):
         self.subtree_end, self.position, self.tree, self.kernel = subtree_end, position, tree, kernel
         self.start, self.end = start, end
-        # a tree's mask, built on the first layer's call: (first, last, tiles) on fa4, the additive mask
-        # on sdpa; a chain needs none on either
+        # a tree's mask, built on the first layer's call: a RuleMask on fa4, the additive mask on sdpa; a
+        # chain needs none on either
         self.mask = None
         self.built = False
 
@@ -140,7 +140,7 @@ class BlockAttention:
             if self.tree and fa4:
                 first, last = block_rule(self.subtree_end, self.start, self.end, self.position)
                 first, last, partial, full = rule_tiles(first, last, self.end - self.start)
-                self.mask = (first, last, rule_sparsity(partial, full, FA4_TILE[0]))
+                self.mask = RuleMask(first, last, rule_sparsity(partial, full, FA4_TILE[0]))
             elif self.tree:
                 self.mask = additive_mask(span_mask(self.subtree_end, self.start, self.end, self.position),
                                           q.dtype)
@@ -148,7 +148,7 @@ class BlockAttention:
         if fa4:
             if self.mask is None:
                 return fa4_causal_attention(q, keys, values, scale)
-            return fa4_rule_attention(q, keys, values, *self.mask, scale)
+            return fa4_rule_attention(q, keys, values, self.mask, scale)
         if self.mask is None:
             return suffix_causal(q, keys, values, scale)
         return prefix_tree(q, keys, values, self.mask, scale)

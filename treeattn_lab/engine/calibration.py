@@ -35,7 +35,7 @@ from .cost_model import MODES, CostModel, MicroBatchShape
 from .time_fit import model_work
 from .tree_backward import tree_backward
 
-CALIBRATION_VERSION = 4  # part of the cache key: calibrations of older designs are not reused
+CALIBRATION_VERSION = 5  # part of the cache key: calibrations of older designs are not reused
 
 
 def _device_label(device: torch.device) -> str:

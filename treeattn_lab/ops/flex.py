@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from .tile_census import tile_indices
+
 
 def _flex_triton(q, k, v, block_mask, scale, enable_gqa):
     from torch.nn.attention.flex_attention import flex_attention
@@ -42,15 +44,6 @@ FLEX_KERNELS = {"triton": (_flex_triton, False), "flash": (_flex_flash, None)}
 def _compiled(kernel: str):
     fn, dynamic = FLEX_KERNELS[kernel]
     return torch.compile(fn, dynamic=dynamic)
-
-
-def tile_indices(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[H, rows, columns]`` bool tiles -> int32 counts ``[1, H, rows]`` and indices ``[1, H, rows,
-    columns]``, each row's selected columns first and in order: the layout of a ``BlockMask``'s (and
-    FlashAttention-4's) block sparsity."""
-    counts = tiles.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return counts[None].contiguous(), order[None].contiguous()
 
 
 def block_mask_from_tiles(partial, full, *, block_size: int, mask_mod, seq_lengths):

@@ -34,7 +34,7 @@ import torch
 
 from .flat_tree import require_cached
 
-__all__ = ["FA4_TILE", "TileCensus", "partial_tile_share", "tile_census"]
+__all__ = ["FA4_TILE", "TileCensus", "partial_tile_share", "tile_census", "tile_indices"]
 
 # FlexAttention's BlockMask block size (its default, which ``tree_block_mask`` uses): the tile FA4 visits.
 FA4_TILE = (128, 128)
@@ -85,3 +85,12 @@ def partial_tile_share(pack) -> float:
     :func:`~.flat_tree.require_cached`)."""
     require_cached(pack, "partial_tile_share", "the tile census")
     return pack.cached("partial_tile_share", lambda: tile_census(pack.subtree_end, *FA4_TILE).partial_share)
+
+
+def tile_indices(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[H, rows, columns]`` bool tiles -> int32 counts ``[1, H, rows]`` and indices ``[1, H, rows,
+    columns]``, each row's selected columns first and in order: the layout of a ``BlockMask``'s (and
+    FlashAttention-4's) block sparsity."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[None].contiguous(), order[None].contiguous()
