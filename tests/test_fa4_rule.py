@@ -210,9 +210,7 @@ def test_fa4_direct_matches_fp32_sdpa_forward_and_backward(seed, heads, head_dim
         poison_allocator(16 * (q.numel() + 2 * k.numel()) * 4)
         half = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
         if b.tree:
-            first, last = block_attention.block_rule(pack.subtree_end, b.start, b.end, p)
-            first, last, partial, full = block_attention.rule_tiles(first, last, n)
-            rule = fa4_rule.RuleMask(first, last, fa4_rule.rule_sparsity(partial, full, 128))
+            rule = block_attention.rule_mask(pack.subtree_end, b.start, b.end, p)
             got = fa4_rule.fa4_rule_attention(*half, rule, scale)
             trees += 1
         else:

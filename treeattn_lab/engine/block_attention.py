@@ -42,8 +42,8 @@ from ..ops.fa4_tree import runs_fa4
 from ..ops.tile_census import FA4_TILE
 from .attention import prefix_tree, suffix_causal
 
-__all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "rule_tiles",
-           "span_mask"]
+__all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "rule_mask",
+           "rule_tiles", "span_mask"]
 
 # A walk runs FA4 when its mean block's ``queries x keys x query heads x head dim`` (the work of the
 # block's SDPA rectangle) is at least this: below it the step is bound by the host, which FA4's costlier
@@ -97,6 +97,14 @@ def rule_tiles(first: torch.Tensor, last: torch.Tensor, num_queries: int):
     return first, last, seen & ~full, full
 
 
+def rule_mask(subtree_end: torch.Tensor, start: int, end: int, position: int) -> RuleMask:
+    """The rule of the block ``[start, end)`` as FA4 takes it: :func:`block_rule`'s vectors padded, and
+    their tiles (:func:`rule_tiles`) in FA4's block-sparse layout."""
+    first, last = block_rule(subtree_end, start, end, position)
+    first, last, partial, full = rule_tiles(first, last, end - start)
+    return RuleMask(first, last, rule_sparsity(partial, full, FA4_TILE[0]))
+
+
 class WalkKernel:
     """The attention kernel of every event of one walk: ``"fa4"`` or ``"sdpa"`` (module docstring), chosen
     on the first call from the first layer's queries and the mean of ``rectangles``, the walk's blocks'
@@ -138,9 +146,7 @@ class BlockAttention:
         fa4 = self.kernel(q) == "fa4"
         if not self.built:
             if self.tree and fa4:
-                first, last = block_rule(self.subtree_end, self.start, self.end, self.position)
-                first, last, partial, full = rule_tiles(first, last, self.end - self.start)
-                self.mask = RuleMask(first, last, rule_sparsity(partial, full, FA4_TILE[0]))
+                self.mask = rule_mask(self.subtree_end, self.start, self.end, self.position)
             elif self.tree:
                 self.mask = additive_mask(span_mask(self.subtree_end, self.start, self.end, self.position),
                                           q.dtype)
