@@ -111,7 +111,7 @@ def test_a_walk_runs_one_kernel_chosen_by_its_mean_block(monkeypatch):
     assert kernel.mean_rectangle == sum(want) // len(want)
     merged = engine_dfs.walk(pack, 8, push_blocks=engine_dfs.PUSH_BLOCKS)[1]
     assert len(merged) < len(events)  # the training walk merges pushes; its kernel is the same walk's
-    state = engine_dfs._path_state(adapt(small_model()), pack, kernel, with_grads=False)
+    state = engine_dfs._path_state(adapt(small_model()), pack, events, kernel, with_grads=False)
     assert all(engine_dfs.attention_of(state, b).kernel is kernel for _, b in merged)
 
 

@@ -104,7 +104,7 @@ def test_each_tree_token_runs_once(mode):
 
 def test_dfs_logprob_pass_holds_the_path_keys_and_values_only():
     from treeattn_lab.engine.adapters import adapt
-    from treeattn_lab.engine.dfs import dfs_logprobs, run_dfs
+    from treeattn_lab.engine.dfs import dfs_logprobs, run_dfs, walk
     from treeattn_lab.engine.loss_plan import LossPlan
 
     model = tiny_lm()
@@ -112,9 +112,13 @@ def test_dfs_logprob_pass_holds_the_path_keys_and_values_only():
     plan = LossPlan.from_pack(pack)
     out = dfs_logprobs(adapt(model), pack, plan, 4)
     cfg = model.cfg
-    kv = 2 * cfg.n_layers * int(pack.seq_lengths.max()) * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * 8
-    assert out["path_bytes"] == kv  # float64 K and V of the longest path, no gradient buffers
-    assert run_dfs(adapt(model), pack, plan, 4)["path_bytes"] == 2 * kv  # training keeps fp64 grads beside
+    row = 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * 8  # float64 K and V of a position
+    longest = int(pack.seq_lengths.max())
+    keys = max(b.position + b.end - b.start for _, b in walk(pack, 4)[1])  # the widest event's keys
+    assert longest < keys <= longest + 4  # a span of leaves reaches past the longest rollout
+    assert out["path_bytes"] == keys * row  # the stacks, no gradient buffers
+    trained = run_dfs(adapt(model), pack, plan, 4)["path_bytes"]
+    assert trained == keys * row + longest * row  # training keeps fp64 grads of the longest path beside
 
 
 def test_inputs_untouched_and_bad_arguments_refused():

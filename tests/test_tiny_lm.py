@@ -155,3 +155,29 @@ def test_token_id_errors():
         model.forward_padded(torch.tensor([[1, VOCAB]]))
     with pytest.raises(ValueError, match=r"\[0, 50\)"):
         model.forward_packed(RolloutTrie.from_sequences([[1, 2, VOCAB + 3]]).pack())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused half-precision path runs on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_half_precision_on_cuda_equals_the_float32_path(dtype):
+    """On CUDA a bf16/fp16 norm goes to the fused kernel as it is; its output and gradients equal the
+    float32 path's rounded once (awkward width, a scale spread over rows, random weight)."""
+    from treeattn_lab.reference.tiny_lm import RMSNorm
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    norm = RMSNorm(1000, 1e-6).to("cuda", dtype)
+    norm.weight.data = torch.randn(1000, device="cuda", generator=g).to(dtype)
+    scale = torch.logspace(-2, 2, 37, device="cuda")[:, None]
+    x = (torch.randn(37, 1000, device="cuda", generator=g) * scale).to(dtype).requires_grad_(True)
+    up = torch.randn(37, 1000, device="cuda", generator=g).to(dtype)
+    out = norm(x)
+    (out.float() * up.float()).sum().backward()
+    x32 = x.detach().float().requires_grad_(True)
+    w32 = norm.weight.detach().float().requires_grad_(True)
+    want = torch.nn.functional.rms_norm(x32, (1000,), w32, 1e-6)
+    (want * up.float()).sum().backward()
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, want.to(dtype), rtol=1e-2, atol=1e-2)
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    assert rel(out, want) < 4e-3
+    assert rel(x.grad, x32.grad) < 8e-3 and rel(norm.weight.grad, w32.grad) < 8e-3

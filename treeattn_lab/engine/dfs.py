@@ -13,11 +13,13 @@ fits is one block, a *packed subtree*, run like a leaf. The blocks are walked de
   to the stack (and zero its gradient buffers);
 - visit its children;
 - **pop** it (or handle a leaf block directly): run the block again *with* autograd against the prefix
-  K/V, given as detached leaf tensors; the loss of every entry whose logits lie in the block (targets
-  include the children's first tokens); backpropagate that loss together with the gradients the
-  descendants accumulated for this block's own K/V; then add the prefix leaves' ``.grad`` into the
-  ancestors' buffers (one multi-tensor add over every layer). Parameter gradients accumulate in
-  ``.grad`` as usual.
+  K/V; the loss of every entry whose logits lie in the block (targets include the children's first
+  tokens); backpropagate that loss together with the gradients the descendants accumulated for this
+  block's own K/V. On the way back each layer's attention adds its gradient for the prefix K/V into the
+  ancestors' buffers (:class:`_OnPath`). Parameter gradients accumulate in ``.grad`` as usual.
+
+Every event writes its block's K/V into the stack right after the prefix, so its attention reads
+``[prefix; block]`` as one slice of the stack: the prefix is never copied.
 
 Neighbouring leaf blocks below the same parent (sibling leaves and packed subtrees) run together as one
 packed *span* of at most ``block_tokens`` tokens (:func:`group_sibling_leaves`): one model call on one
@@ -138,15 +140,18 @@ def event_block(blocks: list[Block], group: list[int]) -> Block:
 
 
 class PathState:
-    """Per-layer K/V of the active path and fp32 gradient buffers beside them, indexed by position
-    (``with_grads=False``: no gradient buffers, for a pass without autograd). ``subtree_end``: the pack's
-    visibility vector on the model's device (what a packed span's attention mask is cut from).
-    ``kernel``: the attention kernel of the walk (:class:`~.block_attention.WalkKernel`; None: one for no
-    blocks, which runs SDPA)."""
+    """Per-layer K/V stacks of the active path and fp32 gradient buffers beside them, indexed by position
+    (``with_grads=False``: no gradient buffers, for a pass without autograd). A stack holds
+    ``stack_len`` positions: the path's, then room for the block that runs below it (its K/V are written
+    right after the prefix, so its attention reads ``[prefix; block]`` as one slice of the stack); the
+    buffers hold ``max_len``, the longest path. ``subtree_end``: the pack's visibility vector on the
+    model's device (what a packed span's attention mask is cut from). ``kernel``: the attention kernel of
+    the walk (:class:`~.block_attention.WalkKernel`; None: one for no blocks, which runs SDPA)."""
 
     def __init__(self, num_layers: int, max_len: int, with_grads: bool = True, subtree_end=None,
-                 kernel: WalkKernel | None = None):
+                 kernel: WalkKernel | None = None, stack_len: int | None = None):
         self.num_layers, self.max_len, self.with_grads = num_layers, max_len, with_grads
+        self.stack_len = max_len if stack_len is None else max(stack_len, max_len)
         self.subtree_end = subtree_end
         self.kernel = WalkKernel([]) if kernel is None else kernel
         self.k: list[torch.Tensor | None] = [None] * num_layers
@@ -156,14 +161,30 @@ class PathState:
 
     def ensure(self, layer: int, like: torch.Tensor) -> None:
         if self.k[layer] is None:
-            shape = (self.max_len, *like.shape[2:])  # [positions, Hkv, D]
-            self.k[layer] = like.new_empty(shape)
-            self.v[layer] = like.new_empty(shape)
+            heads = like.shape[2:]  # [Hkv, D]
+            self.k[layer] = like.new_empty((self.stack_len, *heads))
+            self.v[layer] = like.new_empty((self.stack_len, *heads))
             if not self.with_grads:
                 return
             accumulate = torch.promote_types(like.dtype, torch.float32)  # fp32, or fp64 for fp64 models
-            self.grad_k[layer] = like.new_zeros(shape, dtype=accumulate)
-            self.grad_v[layer] = like.new_zeros(shape, dtype=accumulate)
+            self.grad_k[layer] = like.new_zeros((self.max_len, *heads), dtype=accumulate)
+            self.grad_v[layer] = like.new_zeros((self.max_len, *heads), dtype=accumulate)
+
+    def placed(self, layer: int, position: int, x, values: bool = False) -> torch.Tensor:
+        """``[prefix; block]`` keys (``values``: values) ``[1, position + n, Hkv, D]`` for a block's own
+        ``x [1, n, Hkv, D]`` at ``position``: ``x`` written into the stack after the prefix, and the
+        stack's slice returned (no copy of the prefix). Writing there is safe in a depth-first walk: the
+        stack below ``position`` holds the running block's ancestors, and the rows above are dead (a later
+        block writes its own rows before it reads them)."""
+        self.ensure(layer, x)
+        stack = (self.v if values else self.k)[layer]
+        end = position + x.shape[1]
+        stack[position:end] = x[0]
+        return stack[None, :end]
+
+    def keys_and_values(self, layer: int, position: int, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`placed` keys and values of a block run without autograd."""
+        return self.placed(layer, position, k), self.placed(layer, position, v, values=True)
 
     def buffers(self, lo: int, hi: int) -> list[torch.Tensor]:
         """The gradient buffers' rows ``[lo, hi)`` of every layer (K and V), as views."""
@@ -179,24 +200,36 @@ def attention_of(state: PathState, block: Block) -> BlockAttention:
     return BlockAttention(state.subtree_end, block.start, block.end, block.position, block.tree, state.kernel)
 
 
-def _after_prefix(attend, q, k, v, prefix_k, prefix_v, scale):
-    """Attention of a block's queries over the stored prefix followed by its own keys."""
-    keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
-    values = torch.cat([prefix_v.to(v.dtype), v], dim=1)
-    return attend(q, keys, values, scale)
+class _OnPath(torch.autograd.Function):
+    """``x [1, n, Hkv, D]``, a block's own keys (or values), placed on the path after the prefix:
+    returns the stack's slice ``[1, p + n, Hkv, D]`` (:meth:`PathState.keys_and_values`). Backward splits
+    the slice's gradient: the prefix rows are added into the path's gradient buffer (the ancestors'
+    share, which their own pops send back), the block's rows go to ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, state: PathState, layer: int, position: int, values: bool):
+        placed = state.placed(layer, position, x, values)
+        ctx.buffer = (state.grad_v if values else state.grad_k)[layer][:position]
+        ctx.position = position
+        return placed
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.buffer.add_(grad[0, : ctx.position])
+        return grad[:, ctx.position :], None, None, None, None
 
 
 class PrefixRead:
-    """Attention of a span of leaves run without autograd: read the stored prefix, store nothing."""
+    """Attention of a span of leaves run without autograd: read the stored prefix, store nothing that a
+    later block reads."""
 
     def __init__(self, state: PathState, block: Block):
         self.state, self.block = state, block
         self.attend = attention_of(state, block)
 
     def __call__(self, layer: int, q, k, v, scale=None):
-        st, p = self.state, self.block.position
-        st.ensure(layer, k)
-        return _after_prefix(self.attend, q, k, v, st.k[layer][None, :p], st.v[layer][None, :p], scale)
+        keys, values = self.state.keys_and_values(layer, self.block.position, k, v)
+        return self.attend(q, keys, values, scale)
 
 
 class BlockRun:
@@ -206,32 +239,27 @@ class BlockRun:
         self.state, self.block, self.with_grad = state, block, with_grad
         n = state.num_layers
         self.attend = attention_of(state, block)
-        self.prefix_k: list[torch.Tensor | None] = [None] * n  # detached leaves (with_grad only)
-        self.prefix_v: list[torch.Tensor | None] = [None] * n
         self.new_k: list[torch.Tensor | None] = [None] * n  # this block's own K/V, kept for injection
         self.new_v: list[torch.Tensor | None] = [None] * n
 
     def __call__(self, layer: int, q, k, v, scale=None):
-        st, p, n = self.state, self.block.position, q.shape[1]
-        st.ensure(layer, k)
+        st, p = self.state, self.block.position
         if not self.with_grad:
-            st.k[layer][p : p + n] = k[0]
-            st.v[layer][p : p + n] = v[0]
-            return self.attend(q, st.k[layer][None, : p + n], st.v[layer][None, : p + n], scale)
+            return self.attend(q, *st.keys_and_values(layer, p, k, v), scale)
         if not torch.is_grad_enabled():  # what a reentrant checkpoint does to the layers it wraps
             raise RuntimeError(
                 "the DFS engine needs autograd inside the model's layers: with activation checkpointing use "
                 "the non-reentrant kind (use_reentrant=False)"
             )
-        if self.prefix_k[layer] is None:  # first call; a checkpoint's recomputation reuses the same leaves
-            self.prefix_k[layer] = st.k[layer][None, :p].detach().requires_grad_(True)
-            self.prefix_v[layer] = st.v[layer][None, :p].detach().requires_grad_(True)
+        if self.new_k[layer] is None:  # first call; a checkpoint's recomputation runs the same graph
             self.new_k[layer], self.new_v[layer] = k, v
-        return _after_prefix(self.attend, q, k, v, self.prefix_k[layer], self.prefix_v[layer], scale)
+        keys = _OnPath.apply(k, st, layer, p, False)
+        values = _OnPath.apply(v, st, layer, p, True)
+        return self.attend(q, keys, values, scale)
 
     def backward(self, loss) -> None:
-        """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V, then add the
-        prefix's gradients into the ancestors' buffers in one multi-tensor add."""
+        """Backpropagate ``loss`` plus the gradients descendants sent to this block's K/V; the prefix's
+        gradients land in the ancestors' buffers on the way (:class:`_OnPath`)."""
         st, b = self.state, self.block
         roots, grads = [], []
         if loss is not None and loss.requires_grad:  # no trainable parameter: nothing to send back
@@ -248,15 +276,6 @@ class BlockRun:
                     grads.append(buf[None, p : p + n].to(own.dtype))
         if roots:
             torch.autograd.backward(roots, grads)
-        bufs, sent = [], []
-        for layer in range(st.num_layers):
-            pairs = ((self.prefix_k[layer], st.grad_k[layer]), (self.prefix_v[layer], st.grad_v[layer]))
-            for leaf, buf in pairs:
-                if leaf is not None and leaf.grad is not None:
-                    bufs.append(buf[: b.position])
-                    sent.append(leaf.grad[0])
-        if bufs:
-            torch._foreach_add_(bufs, sent)
 
 
 def _zero_buffers(state: PathState, b: Block) -> None:
@@ -332,9 +351,12 @@ def walk_kernel(events) -> WalkKernel:
     return WalkKernel([(b.end - b.start) * (b.end - b.start + b.position) for _, b in events])
 
 
-def _path_state(adapter, pack, kernel: WalkKernel, with_grads: bool) -> PathState:
+def _path_state(adapter, pack, events, kernel: WalkKernel, with_grads: bool) -> PathState:
+    """The path of a walk over ``pack``: buffers for its longest rollout, stacks for its events' keys."""
     longest = int(pack._cpu("seq_lengths").max())
-    return PathState(adapter.num_layers, longest, with_grads, subtree_end=pack.subtree_end, kernel=kernel)
+    keys = max((b.position + b.end - b.start for _, b in events), default=0)
+    return PathState(adapter.num_layers, longest, with_grads, subtree_end=pack.subtree_end, kernel=kernel,
+                     stack_len=keys)
 
 
 def _features(adapter, pack, b: Block, attention):
@@ -356,7 +378,7 @@ def run_dfs(adapter, pack, plan, block_tokens: int, scores=None, *, packed_subtr
     """
     scores = LinearScores(plan) if scores is None else scores
     blocks, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
-    state = _path_state(adapter, pack, walk_kernel(events), with_grads=True)
+    state = _path_state(adapter, pack, events, walk_kernel(events), with_grads=True)
     if packed_subtrees:
         events = merge_pushes(events, PUSH_BLOCKS * block_tokens)
     entry_logp = _entry_logps(plan, adapter, pack)
@@ -399,7 +421,7 @@ def dfs_logprobs(
     ``{"entry_logp", "entry_entropy" (or None), "no_grad_tokens", "path_bytes"}``.
     """
     _, events = walk(pack, block_tokens, packed_subtrees=packed_subtrees)
-    state = _path_state(adapter, pack, walk_kernel(events), with_grads=False)
+    state = _path_state(adapter, pack, events, walk_kernel(events), with_grads=False)
     entry_logp = _entry_logps(plan, adapter, pack)
     entry_entropy = torch.zeros_like(entry_logp) if entropy else None
     for event, b in events:

@@ -59,7 +59,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # x * rsqrt(mean(x^2) + eps) * weight, computed in at least float32 but never below the input
-        # (float64 stays float64); one fused kernel where torch has one (CUDA)
+        # (float64 stays float64). On CUDA a half-precision input of the weight's dtype goes to torch's
+        # fused kernel as it is: the kernel computes in float32 and rounds once, so the result is the one
+        # of the float32 path below without its conversion kernels (two forward, three backward).
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and self.weight.dtype == x.dtype:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         dtype = torch.promote_types(x.dtype, torch.float32)
         return F.rms_norm(x.to(dtype), x.shape[-1:], self.weight.to(dtype), self.eps).to(x.dtype)
 
@@ -68,40 +72,45 @@ class Rotary:
     """Rotary embedding (rotate-half form) at ``position_ids [..., N]``, computed once per forward and
     applied by every layer to its queries and keys: ``rotary(x)`` rotates ``x [..., N, H, D]``.
 
-    The angles are computed in float64 and their cos/sin tables cast to ``dtype`` (the dtype the layers'
-    q and k come in) when the object is made, so a layer only multiplies. An ``x`` of another dtype gets
-    tables computed again in float64 and cast to its own dtype; only ``dtype``'s tables are kept, and
-    nothing is cached on the object while layers run, which keeps a compiled layer's graph independent of
-    which layer ran first.
+    Dims ``i`` and ``i + D/2`` turn together by angle ``a_i``: ``(x1, x2) -> (x1 cos - x2 sin,
+    x2 cos + x1 sin)``. That is ``x * cos + roll(x, D/2) * signed_sin`` with ``cos = (cos a, cos a)`` and
+    ``signed_sin = (-sin a, sin a)``: one roll and one multiply-add per tensor, and autograd's backward
+    of it is as short (a roll by ``D/2`` is its own inverse).
+
+    The angles are computed in float64 and their tables cast to ``dtype`` (the dtype the layers' q and
+    k come in) when the object is made, so a layer only multiplies. An ``x`` of another dtype gets tables
+    computed again in float64 and cast to its own dtype; only ``dtype``'s tables are kept, and nothing is
+    cached on the object while layers run, which keeps a compiled layer's graph independent of which
+    layer ran first.
     """
 
     def __init__(self, position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
         self.position_ids, self.head_dim, self.theta, self.dtype = position_ids, head_dim, theta, dtype
-        self.cos, self.sin = self._computed_tables(dtype)
+        self.cos, self.signed_sin = self._computed_tables(dtype)
 
     def _computed_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of the float64 angles, cast to ``dtype``."""
+        """``(cos, signed_sin)`` of the float64 angles, cast to ``dtype``."""
         d = self.head_dim
         inv_freq = 1.0 / self.theta ** (
             torch.arange(0, d, 2, device=self.position_ids.device, dtype=torch.float64) / d
         )
         angles = self.position_ids.to(torch.float64)[..., None] * inv_freq  # [..., N, D/2]
-        angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., N, 1, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        cos, signed_sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        return cos[..., None, :].to(dtype), signed_sin[..., None, :].to(dtype)  # [..., N, 1, D]
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[..., N, 1, D]`` in ``dtype``."""
+        """``(cos, signed_sin)`` ``[..., N, 1, D]`` in ``dtype``."""
         if dtype == self.dtype:
-            return self.cos, self.sin
+            return self.cos, self.signed_sin
         return self._computed_tables(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
         if d != self.head_dim:
             raise ValueError(f"rotary tables were made for head_dim {self.head_dim}, got {d}")
-        cos, sin = self.tables(x.dtype)
-        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        cos, signed_sin = self.tables(x.dtype)
+        return torch.addcmul(x * cos, x.roll(d // 2, dims=-1), signed_sin)
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
