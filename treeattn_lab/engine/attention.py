@@ -14,7 +14,7 @@ All take ``q [B, N, Hq, D]``, ``k, v [B, S, Hkv, D]`` (grouped-query heads allow
 A model's layer reaches whichever of them the engine chose through a call ``torch.compile`` does not
 trace (the adapter's per-layer call for TinyLM, ``adapters._call_with_layer``; the registered attention
 function for a Hugging Face model, ``hf_attention._hf_attention``): the engine's attention keeps Python
-state per call (the DFS path, the prefix leaves, per-layer indices), so a model whose layers were compiled
+state per call (the DFS path's stacks, per-layer indices), so a model whose layers were compiled
 runs each layer as compiled graphs before and after one eager attention call, the same graphs for every
 layer and call, instead of recompiling for each layer index and each DFS block.
 """

@@ -202,7 +202,7 @@ def attention_of(state: PathState, block: Block) -> BlockAttention:
 
 class _OnPath(torch.autograd.Function):
     """``x [1, n, Hkv, D]``, a block's own keys (or values), placed on the path after the prefix:
-    returns the stack's slice ``[1, p + n, Hkv, D]`` (:meth:`PathState.keys_and_values`). Backward splits
+    returns the stack's slice ``[1, p + n, Hkv, D]`` (:meth:`PathState.placed`). Backward splits
     the slice's gradient: the prefix rows are added into the path's gradient buffer (the ancestors'
     share, which their own pops send back), the block's rows go to ``x``."""
 
@@ -251,7 +251,8 @@ class BlockRun:
                 "the DFS engine needs autograd inside the model's layers: with activation checkpointing use "
                 "the non-reentrant kind (use_reentrant=False)"
             )
-        if self.new_k[layer] is None:  # first call; a checkpoint's recomputation runs the same graph
+        if self.new_k[layer] is None:  # the first call's K/V: backward runs its graph (a checkpoint's
+            # recomputation only refills the tensors that graph saved)
             self.new_k[layer], self.new_v[layer] = k, v
         keys = _OnPath.apply(k, st, layer, p, False)
         values = _OnPath.apply(v, st, layer, p, True)
