@@ -400,13 +400,16 @@ def test_refine_rejects_bad_observations(observations, error, match):
 
 
 # ------------------------------------------------------------------------------- planning the cuts
-def device_bound_model(host_floor: float = 0.0) -> CostModel:
+def device_bound_model(host_floor: float = 0.0, dfs_call_s: float = 0.0) -> CostModel:
     """Calibrated coefficients where a micro-batch costs little more than its tokens, plus a host floor
-    (flat three times slower: ``"auto"`` runs the tree modes)."""
+    (flat three times slower: ``"auto"`` runs the tree modes), and ``dfs_call_s`` of host time per dfs
+    model call (a large one keeps ``"auto"`` from walking the whole trie in dfs)."""
     theta = [1e-6, 1e-5, 1e-9, 1e-6]
+    host = {m: [host_floor, 0.0] for m in MODES}
+    host["dfs"] = [host_floor, dfs_call_s]
     return CostModel(
         time={m: [c * (3 if m == "flat" else 1) for c in theta] for m in MODES},
-        host={m: [host_floor, 0.0] for m in MODES},
+        host=host,
         calibrated=True,
     )
 
@@ -427,7 +430,8 @@ def test_a_host_bound_model_plans_fewer_fuller_micro_batches_with_exact_gradient
 
     seqs = prompt_groups()  # four subtrees of 70 tree tokens: two never fit a budget of 120
     trie, budget = RolloutTrie.from_sequences(seqs), 120
-    host_bound, device_bound = device_bound_model(host_floor=1.0), device_bound_model()
+    # dfs calls too dear for auto to walk the whole trie: it runs the planned micro-batches
+    host_bound, device_bound = device_bound_model(host_floor=1.0, dfs_call_s=10.0), device_bound_model()
     fewer = plan_micro_batches(trie, budget, cost_model=host_bound, mode=mode)
     apart = plan_micro_batches(trie, budget, cost_model=device_bound, mode=mode)
     assert len(fewer) == len(plan_micro_batches(trie, budget)) == 3  # as few as the budget allows
@@ -528,7 +532,8 @@ def test_a_dfs_run_after_a_packed_micro_batch_carries_its_first_members_prefix_w
 
     seqs = prompt_groups()
     trie, budget = RolloutTrie.from_sequences(seqs), 120
-    host_bound = device_bound_model(host_floor=1.0)  # three cuts; the second carries its prompt
+    # three cuts, the second carrying its prompt; dfs calls too dear to walk the whole trie instead
+    host_bound = device_bound_model(host_floor=1.0, dfs_call_s=10.0)
     cut = plan_micro_batches(trie, budget, cost_model=host_bound, mode="auto")
     assert [mb.carried_tokens for mb in cut] == [0, 30, 0]
 

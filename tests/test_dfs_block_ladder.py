@@ -18,8 +18,9 @@ from tests.test_cost_model import dfs_fastest_model, prompt_groups
 from tests.test_engine_objectives import PerRollout, rollout_data
 from treeattn_lab import RolloutTrie
 from treeattn_lab.distributed.balance import EngineCost
-from treeattn_lab.engine import MicroBatchShape, modes, rollout_terms, tree_backward
+from treeattn_lab.engine import CostModel, MicroBatchShape, modes, rollout_terms, tree_backward
 from treeattn_lab.engine.call_plan import auto_micro_batches, dfs_block_ladder
+from treeattn_lab.engine.modes import MODES
 
 BLOCK = 8
 
@@ -118,3 +119,72 @@ def test_a_per_rollout_objective_in_a_grown_block_matches_flat_autograd(dfs_bloc
     assert float(result.objective_value) == pytest.approx(value, rel=1e-9)
     assert_grads_close(model, expected, 1e-9)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_the_ladder_stops_at_its_bound_but_always_holds_the_call_block():
+    assert dfs_block_ladder(8, 70, 32) == [8, 16, 32]
+    assert dfs_block_ladder(8, 70, 40) == [8, 16, 32]
+    assert dfs_block_ladder(64, 70, 32) == [64]
+
+
+def walk_model(per_call: float) -> CostModel:
+    """Calibrated: packed and dfs cost the same per token and pair, dfs ``per_call`` seconds per model
+    call on top; flat three times packed; no cost per micro-batch, so only tokens, pairs and calls count."""
+    per_token = [0.0, 1e-5, 1e-9, 0.0]
+    time = {"flat": [3 * c for c in per_token], "packed": per_token, "dfs": per_token[:3] + [per_call]}
+    return CostModel(time=time, host={m: [0.0, 0.0] for m in MODES}, calibrated=True)
+
+
+def cut_prompts():
+    """Two prompts of 40 tokens sampled six times (100 tree tokens each), for a budget of 64: every cut
+    through a prompt's rollouts carries the prompt."""
+    return prompt_groups(prompts=2, prompt_len=40, samples=6, tail=10, seed=4)
+
+
+def test_auto_walks_the_whole_trie_in_budget_blocks_where_the_cuts_carry_prefixes(dfs_blocks):
+    seqs, budget = cut_prompts(), 64
+    trie, cost_model = RolloutTrie.from_sequences(seqs), walk_model(per_call=0.0)
+    cut = auto_micro_batches(trie, BLOCK, budget, walk_model(per_call=1.0))  # calls too dear to walk
+    assert len(cut) > 1 and {mb.mode for mb, _ in cut} == {"packed"}
+    assert sum(mb.carried_tokens for mb, _ in cut) > 0
+
+    ((walk, predicted),) = auto_micro_batches(trie, BLOCK, budget, cost_model)
+    assert walk.mode == "dfs" and walk.sequences == tuple(trie.dfs_sequence_order())
+    assert walk.carried_tokens == 0 and BLOCK < walk.block_tokens <= budget
+    planned_s = sum(cost_model.predict(MicroBatchShape.of(mb.trie, BLOCK, budget), mb.mode)[0]
+                    for mb, _ in cut)
+    assert predicted["dfs"][0] < planned_s
+    assert predicted["dfs"] == cost_model.predict(MicroBatchShape.of(trie, walk.block_tokens, budget), "dfs")
+
+    model = tiny_lm(seed=1)
+    weights = random_weights(seqs, 13)
+    expected, _ = flat_gradients(model, seqs, weights)
+    result = tree_backward(
+        model, trie, weights, mode="auto", block_tokens=BLOCK, token_budget=budget, cost_model=cost_model
+    )
+    assert dfs_blocks == [walk.block_tokens] and result.report.choices == f"dfs@{walk.block_tokens}"
+    assert result.report.carried_tokens == 0
+    assert_grads_close(model, expected, 1e-9)
+
+
+def test_without_calibration_or_with_dropout_auto_keeps_the_budgets_micro_batches():
+    seqs, budget = cut_prompts(), 64
+    trie = RolloutTrie.from_sequences(seqs)
+    prior = auto_micro_batches(trie, BLOCK, budget, CostModel())  # the prior knows no cost per call
+    assert len(prior) > 1 and "dfs" not in {mb.mode for mb, _ in prior}
+    no_dfs = auto_micro_batches(trie, BLOCK, budget, walk_model(per_call=0.0), modes=("flat", "packed"))
+    assert len(no_dfs) > 1 and {mb.mode for mb, _ in no_dfs} == {"packed"}
+
+
+def test_under_a_memory_limit_the_walk_must_fit_it():
+    seqs, budget = cut_prompts(), 64
+    trie = RolloutTrie.from_sequences(seqs)
+    cost_model = walk_model(per_call=0.0)
+    # a byte per held token; dfs also holds its path, ten bytes per position of the longest rollout (50)
+    cost_model.memory = {"flat": [0.0, 1.0, 0.0], "packed": [0.0, 1.0, 0.0], "dfs": [0.0, 1.0, 10.0]}
+    cost_model.fit_info = {m: {"memory": "nnls"} for m in MODES}
+    packed_only = auto_micro_batches(trie, BLOCK, budget, cost_model, memory_limit=100.0)
+    assert len(packed_only) > 1 and {mb.mode for mb, _ in packed_only} == {"packed"}
+    ((walk, predicted),) = auto_micro_batches(trie, BLOCK, budget, cost_model, memory_limit=1000.0)
+    assert walk.mode == "dfs" and walk.sequences == tuple(trie.dfs_sequence_order())
+    assert 500 < predicted["dfs"][1] <= 1000

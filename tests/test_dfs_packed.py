@@ -14,9 +14,11 @@ from tests.conftest import long_forest, orders, rollout_forests
 from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
 from treeattn_lab import RolloutTrie
 from treeattn_lab.bench import train as bench_train
+from treeattn_lab.bench.step_profile import profile_step
 from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, block_attention, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
 from treeattn_lab.engine.adapters import adapt
+from treeattn_lab.engine.time_fit import model_work
 from treeattn_lab.ops.fa4_tree import fa4_available
 from treeattn_lab.patterns.tree import tree_visibility
 from treeattn_lab.reference import TinyLM, TinyLMConfig
@@ -180,7 +182,7 @@ def small_model():
 def test_profile_row_counts_ops_and_host_reads():
     model = small_model()
     trie = RolloutTrie.from_sequences(bench_train.rollout_set("agentic", shrink=256, first=6))
-    row = bench_train.profile_step(model, trie, mode="dfs", block_tokens=16, token_budget=64)
+    row = profile_step(model, trie, mode="dfs", block_tokens=16, token_budget=64)
     assert row["mode"] == "dfs" and row["aten_ops"] > 0
     assert row["host_reads"] > 0  # the dfs walk reads block and path bounds off the pack
     assert "device_syncs" not in row  # a CPU has no device to wait for
@@ -241,11 +243,15 @@ def test_the_checkpointed_dfs_row_runs_longer_blocks_checkpointed_and_restores_t
         assert (mode, settings["block_tokens"], model.gradient_checkpointing) == ("dfs", 256, True)
         raise RuntimeError("stop")
     assert not model.gradient_checkpointing and engine["block_tokens"] == 32
+    with bench_train.row_settings(model, "dfs-budget", engine) as (mode, settings):
+        assert (mode, settings["block_tokens"], model.gradient_checkpointing) == ("dfs", 256, False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rows = bench_train.train_rows(model, optimizer, CostModel(), ["agentic"], quick=True, reps=1, **engine)
-    assert [r["mode"] for r in rows] == ["flat", "packed", "dfs", "dfs-ckpt", "auto"]
+    assert [r["mode"] for r in rows] == ["flat", "packed", "dfs", "dfs-ckpt", "dfs-budget", "auto"]
     by = {(r["set"], r["mode"]): r for r in rows}
     assert by[("agentic", "dfs-ckpt")]["recomputed_tokens"] < by[("agentic", "dfs")]["recomputed_tokens"]
+    assert by[("agentic", "dfs-budget")]["choices"] == "dfs@256"
+    assert len({r["work_ratio"] for r in rows}) == 1 and rows[0]["work_ratio"] > 1
     profiles = [{"set": "agentic", "mode": m, "busy_share": 0.5} for m in ("dfs", "dfs-ckpt")]
     names = {c["target"] for c in bench_train.targets(rows, [], profiles)}
     assert {"agentic: dfs >= 0.8 x packed", "agentic: dfs-ckpt >= 0.8 x packed",
@@ -274,3 +280,14 @@ def test_dfs_blocks_run_fa4_with_the_gradients_of_fp32_flat(monkeypatch, seed):
     got = bench_train.flat_gradient(model)
     assert set(kernels) == {"fa4_causal_attention", "fa4_rule_attention"}  # chains and trees
     assert torch.isfinite(got).all() and float((got - want).norm() / want.norm()) < 2e-2
+
+
+def test_the_work_ratio_weighs_tokens_and_pairs_by_the_models_flops():
+    model = small_model()
+    work = model_work(model)
+    unshared = RolloutTrie.from_sequences([[1, 2, 3], [4, 5, 6, 7]]).stats()
+    assert bench_train.work_ratio(model, unshared) == pytest.approx(1.0)
+    shared = RolloutTrie.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [1, 2, 3, 8]]).stats()
+    flat = work["flops_per_token"] * 16 + work["flops_per_pair"] * (21 + 21 + 10)
+    tree = work["flops_per_token"] * 8 + work["flops_per_pair"] * (21 + 6 + 4)
+    assert bench_train.work_ratio(model, shared) == pytest.approx(flat / tree)

@@ -1,4 +1,5 @@
-"""Packaging: the wheel installs kernels/ as treeattn_lab.kernels and nothing else at the top level; the
+"""Packaging: the wheel installs kernels/ as treeattn_lab.kernels and nothing else at the top level (and
+the repository root on sys.path does not hide the PyPI package ``kernels``); the
 core install needs no notebook stack; results land in the working directory; ``make lab`` serves."""
 
 import json
@@ -31,9 +32,18 @@ def test_wheel_maps_kernels_into_the_package(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"treeattn_lab"}, f"unexpected top-level entries: {top}"
     assert "treeattn_lab/kernels/tree_attention.py" in names
-    assert "treeattn_lab/kernels/__init__.py" in names
+    # no __init__.py: the folder must not shadow the PyPI package `kernels` from a repository root
+    assert "treeattn_lab/kernels/__init__.py" not in names
     for sub in ("reference", "ops", "patterns", "lab", "bench"):
         assert f"treeattn_lab/{sub}/__init__.py" in names
+
+
+def test_the_repository_root_does_not_shadow_the_pypi_package_kernels():
+    code = ("import importlib.util, sys; spec = importlib.util.find_spec('kernels'); "
+            "print(spec is None or not spec.origin or not spec.origin.startswith(sys.argv[1]))")
+    run = subprocess.run([sys.executable, "-c", code, str(ROOT / "kernels")], cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    assert run.stdout.strip() == "True"
 
 
 def test_every_library_folder_is_listed_as_a_package():

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("plotly.graph_objects")
 
 from treeattn_lab import RolloutTrie  # noqa: E402
-from treeattn_lab.bench.train import profile_step  # noqa: E402
+from treeattn_lab.bench.step_profile import profile_step  # noqa: E402
 from treeattn_lab.engine import tree_backward  # noqa: E402
 from treeattn_lab.lab import viz  # noqa: E402
 from treeattn_lab.lab.viz import style  # noqa: E402

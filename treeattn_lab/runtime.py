@@ -12,6 +12,7 @@ defines ``triton.language``'s functions again under the interpreter, so the impo
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import platform
@@ -69,22 +70,24 @@ def reinterpret_triton_language() -> list[str]:
 
 
 def link_source_kernels() -> None:
-    """Make ``treeattn_lab.kernels`` importable from a source checkout that was never installed.
+    """Make ``treeattn_lab.kernels`` importable from a source checkout or an editable install.
 
-    Installs map the top-level ``kernels/`` folder to ``treeattn_lab.kernels``; when the package is
-    imported straight from the repository (``PYTHONPATH=.``), register that folder under the same name.
+    Installs map the top-level ``kernels/`` folder to ``treeattn_lab.kernels``. The folder has no
+    ``__init__.py``: with one, a repository root on ``sys.path`` (``python -m`` or pytest run there) would
+    make it the top-level package ``kernels`` and hide the PyPI distribution of that name, which
+    transformers imports. A wheel installs it as a namespace subpackage; where the package is imported
+    straight from the repository (``PYTHONPATH=.``, or an editable install, whose finder looks for an
+    ``__init__.py``), register the folder under that name here.
     """
     name = "treeattn_lab.kernels"
     if name in sys.modules or importlib.util.find_spec(name) is not None:
         return
     folder = Path(__file__).resolve().parents[1] / "kernels"
-    init = folder / "__init__.py"
-    if not init.is_file():
+    if not (folder / "tree_attention.py").is_file():
         return
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [str(folder)]
+    sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
 def triton_installed() -> bool:

@@ -21,16 +21,14 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
-from treeattn_lab.bench.train import (
+from treeattn_lab.bench.step_profile import (
     DEVICE_SYNC_CALLS,
     HOST_READ_OPS,
     KERNEL_LAUNCH_CALLS,
-    SETS,
-    bench_trie,
     profiled_events,
-    run_setup,
     timed_tree_backward,
 )
+from treeattn_lab.bench.train import SETS, bench_trie, run_setup
 from treeattn_lab.engine import compile_layers
 from treeattn_lab.reference import TinyLM
 

@@ -24,7 +24,8 @@ from ..engine import dfs as engine_dfs
 from ..ops.fa4_tree import fa4_takes
 from ..reference import TinyLM
 from . import harness
-from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, layers_checkpointed, run_setup, timed_tree_backward
+from .step_profile import timed_tree_backward
+from .train import CHECKPOINTED_BLOCKS, SETS, bench_trie, layers_checkpointed, run_setup
 
 KERNELS = ("sdpa", "fa4")
 

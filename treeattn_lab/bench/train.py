@@ -4,12 +4,17 @@ A step is ``zero_grad`` + :func:`treeattn_lab.engine.tree_backward` + ``AdamW.st
 TinyLM with random weights (on a GPU about 0.49B parameters, bf16: 24 layers, width 1024, 8 query heads
 and 2 kv heads of 128, SwiGLU 4864, vocabulary 32000), over each bundled rollout set. Modes: ``flat``
 (every rollout on its own, padded), ``packed`` (tree attention over the packed trie), ``dfs`` (path
-materialization), ``dfs-ckpt`` (dfs with the model's layers checkpointed, in blocks eight times longer)
-and ``auto`` (the cost model, calibrated on this device first, picks per micro-batch among the first three).
+materialization), ``dfs-ckpt`` (dfs with the model's layers checkpointed, in blocks eight times longer),
+``dfs-budget`` (dfs in blocks as long as the token budget, layers not checkpointed: a packed
+micro-batch's memory, no prefix carried over a cut) and ``auto`` (the cost model, calibrated on this
+device first, picks per micro-batch among the first three, or the whole trie as one dfs walk).
 
 Reported per (set, mode): step time, throughput in flat tokens per second (the tokens a flat trainer
 would process, so modes compare directly), speed-up over flat, peak CUDA memory of the backward call
-(total, and above what was allocated before it), and the modes ``auto`` chose. A precision check runs
+(total, and above what was allocated before it), and the modes ``auto`` chose. Beside the token ratio
+stands the *work ratio*: the model's FLOPs over the flat rollouts (tokens and attended pairs, without
+padding) over its FLOPs over the trie, the speed-up a tree mode reaches at flat's FLOP rate with nothing
+recomputed. A precision check runs
 every mode in bf16 against fp32 flat gradients on a subset. At the end the run is checked against its
 targets (:func:`targets`): auto against flat and against the best mode, DFS memory against packed, and
 the bf16 gradient error. On a CPU a tiny model on small subsets runs the same code (``--quick``).
@@ -27,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..datasets import load_rollouts
 from ..engine import MODES, calibrate, compile_layers, tree_backward
+from ..engine.time_fit import model_work
 from ..reference import TinyLM, TinyLMConfig
 from ..trie import RolloutTrie
 from .harness import (
@@ -39,6 +45,7 @@ from .harness import (
     synchronize,
     write_results,
 )
+from .step_profile import profile_step
 
 SETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
 # a row beside the engine's modes: dfs with the model's layers checkpointed (each layer keeps only its
@@ -47,6 +54,9 @@ SETS = ("grpo_math", "agentic", "tree_search", "low_sharing")
 CHECKPOINTED_DFS = "dfs-ckpt"
 CHECKPOINTED_BLOCKS = 8
 DFS_ROWS = ("dfs", CHECKPOINTED_DFS)
+# a row beside them: dfs in blocks of the token budget, layers not checkpointed (what auto's whole-trie
+# walk runs in): the memory of a packed micro-batch, and no prefix carried over the budget's cuts
+BUDGET_DFS = "dfs-budget"
 # run flat and auto only (one timed step each), auto under --memory-limit-gib (see rollout_set)
 LARGE_SETS = ("agentic_x2", "agentic_x4")
 LLAMA_05B = TinyLMConfig(vocab_size=32000, dim=1024, n_layers=24, n_heads=8, n_kv_heads=2, ffn_dim=4864)
@@ -67,90 +77,6 @@ def rollout_set(name: str, *, shrink: int = 1, first: int | None = None) -> list
     if copies.isdigit():
         seqs = [[1 + c] + s for c in range(int(copies)) for s in seqs]
     return seqs
-
-
-# Profiled events that read a tensor's value on the host: a scalar's value (``.item()``, ``bool()``,
-# ``float()``, ``.tolist()`` of one element) and nonzero's output size. Copies of whole tensors to the host
-# (``.cpu()``, ``.tolist()``) show as copies, not here.
-HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
-# CUDA runtime calls in which the host waits for the GPU.
-DEVICE_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-
-
-def timed_tree_backward(model, trie, *, mode: str, **engine) -> float:
-    """Wall seconds of one ``tree_backward`` from zeroed gradients, the device synchronized around it."""
-    device = next(model.parameters()).device
-    model.zero_grad(set_to_none=True)
-    synchronize(device)
-    t0 = time.perf_counter()
-    tree_backward(model, trie, None, mode=mode, **engine)
-    synchronize(device)
-    return time.perf_counter() - t0
-
-
-def profile_step(model, trie, *, mode: str, **engine) -> dict:
-    """One ``tree_backward`` under ``torch.profiler``: aten ops; host reads (:data:`HOST_READ_OPS`, from a
-    CPU tensor as from a device one); on CUDA, device syncs (:data:`DEVICE_SYNC_CALLS`: every host read
-    of a device tensor is one, and so is an explicit synchronize), kernel launches, GPU seconds (kernels,
-    copies, memsets) and the busy share: GPU seconds / the wall time of the same call run without the
-    profiler (``wall_s``: the shorter of two runs after a warm-up; ``profiled_wall_s`` under it)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    device = next(model.parameters()).device
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    # a warm-up (caches, autotuning, compiled sizes, allocator), then the wall time without the profiler
-    walls = [timed_tree_backward(model, trie, mode=mode, **engine) for _ in range(3)]
-    unprofiled = min(walls[1:])
-    model.zero_grad(set_to_none=True)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        tree_backward(model, trie, None, mode=mode, **engine)
-        synchronize(device)
-        wall = time.perf_counter() - t0
-    model.zero_grad(set_to_none=True)
-    events = profiled_events(prof)
-    names = [name for name, _, _ in events]
-    row = {
-        "mode": mode,
-        "wall_s": unprofiled,
-        "profiled_wall_s": wall,
-        "aten_ops": sum(n.startswith("aten::") for n in names),
-        "host_reads": sum(n in HOST_READ_OPS for n in names),
-    }
-    if cuda:
-        busy = sum(seconds for _, on_device, seconds in events if on_device)  # kernels, copies, memsets
-        row.update(
-            device_syncs=sum(n in DEVICE_SYNC_CALLS for n in names),
-            kernel_launches=sum(n in KERNEL_LAUNCH_CALLS for n in names),
-            kernel_s=busy,
-            busy_share=busy / unprofiled,
-            idle_share=1 - busy / unprofiled,
-        )
-    return row
-
-
-def _annotation(event) -> bool:
-    """A range a ``record_function`` drew on the GPU's timeline: not work of the GPU."""
-    flag = getattr(event, "is_user_annotation", None)
-    return bool(flag()) if callable(flag) else False
-
-
-def profiled_events(prof) -> list[tuple[str, bool, float]]:
-    """``(name, on the device, seconds)`` of every profiled event, read from the raw trace (building
-    the profiler's event tree for a few hundred thousand launches would take longer than the step)."""
-    try:
-        raw = prof.profiler.kineto_results.events()
-        return [
-            (e.name(), not str(e.device_type()).endswith("CPU") and not _annotation(e), e.duration_ns() / 1e9)
-            for e in raw
-        ]
-    except AttributeError:  # a torch without the raw trace
-        return [
-            (e.name, not str(e.device_type).endswith("CPU"), e.time_range.elapsed_us() / 1e6)
-            for e in prof.events()
-        ]
 
 
 def timed_steps(model, optimizer, trie, *, mode, reps, warmup, **kwargs) -> dict:
@@ -327,9 +253,13 @@ def layers_checkpointed(model, checkpointed: bool = True):
 
 @contextlib.contextmanager
 def row_settings(model, row: str, engine: dict):
-    """``(engine mode, engine settings)`` of table row ``row``: an engine mode as it is, or
-    :data:`CHECKPOINTED_DFS`: mode dfs in blocks :data:`CHECKPOINTED_BLOCKS` times longer, the model's
-    layers checkpointed while it runs (:func:`layers_checkpointed`)."""
+    """``(engine mode, engine settings)`` of table row ``row``: an engine mode as it is;
+    :data:`BUDGET_DFS`: mode dfs in blocks of the token budget; or :data:`CHECKPOINTED_DFS`: mode dfs in
+    blocks :data:`CHECKPOINTED_BLOCKS` times longer, the model's layers checkpointed while it runs
+    (:func:`layers_checkpointed`)."""
+    if row == BUDGET_DFS:
+        yield "dfs", {**engine, "block_tokens": engine["token_budget"]}
+        return
     if row != CHECKPOINTED_DFS:
         yield row, engine
         return
@@ -340,14 +270,15 @@ def row_settings(model, row: str, engine: dict):
 def train_rows(
     model, optimizer, cost_model, sets, *, quick: bool, reps: int, memory_limit=None, **engine
 ) -> list[dict]:
-    """One row per (set, row): the step of :func:`timed_steps`, the trie's sizes and the speed-up; rows
-    are the engine's modes, :data:`CHECKPOINTED_DFS` and auto. A set of :data:`LARGE_SETS` runs flat, and
-    auto under ``memory_limit`` (bytes)."""
+    """One row per (set, row): the step of :func:`timed_steps`, the trie's sizes, its work ratio
+    (:func:`work_ratio`) and the speed-up; rows are the engine's modes, :data:`CHECKPOINTED_DFS`,
+    :data:`BUDGET_DFS` and auto. A set of :data:`LARGE_SETS` runs flat, and auto under ``memory_limit``
+    (bytes). Each row is printed as it completes."""
     rows = []
-    modes = {name: (("flat",) if name in LARGE_SETS else (*MODES, CHECKPOINTED_DFS)) + ("auto",)
+    modes = {name: (("flat",) if name in LARGE_SETS else (*MODES, CHECKPOINTED_DFS, BUDGET_DFS)) + ("auto",)
              for name in sets}
     jobs = [(name, mode) for name in sets for mode in modes[name]]
-    for name, mode in tqdm(jobs, desc="bench train", unit="step"):
+    for name, mode in (bar := tqdm(jobs, desc="bench train", unit="step")):
         trie = bench_trie(name, quick)
         limit = memory_limit if name in LARGE_SETS and mode == "auto" else None
         stats = trie.stats()
@@ -374,20 +305,33 @@ def train_rows(
                 "flat_tokens": stats["flat_tokens"],
                 "tree_tokens": stats["tree_tokens"],
                 "token_ratio": stats["token_ratio"],
+                "work_ratio": work_ratio(model, stats),
                 "tokens_per_s": stats["flat_tokens"] / r["step_s"],
                 **r,
             }
         )
+        bar.write(f"{name} {mode}: {r['step_s']:.3f} s, peak {r['peak_gib'] or 0:.1f} GiB, {r['choices']}")
     for r in rows:
         flat = next(x for x in rows if x["set"] == r["set"] and x["mode"] == "flat")
         r["speedup"] = r["tokens_per_s"] / flat["tokens_per_s"]
     return rows
 
 
+def work_ratio(model, stats: dict) -> float:
+    """The model's training FLOPs over the flat rollouts (every token and attended pair of each rollout,
+    no padding) over its FLOPs over the trie (each tree token and tree pair once): what a tree mode gains
+    at flat's FLOP rate, computing nothing twice. ``stats``: :meth:`RolloutTrie.stats`."""
+    work = model_work(model)
+    token, pair = work["flops_per_token"], work["flops_per_pair"]
+    flat = token * stats["flat_tokens"] + pair * stats["flat_attention_pairs"]
+    return flat / (token * stats["tree_tokens"] + pair * stats["tree_attention_pairs"])
+
+
 TRAIN_COLUMNS = [
     ("set", "set"),
     ("mode", "mode"),
     ("token_ratio", "token ratio"),
+    ("work_ratio", "work ratio"),
     ("step_s", "step s"),
     ("tokens_per_s", "flat tok/s"),
     ("speedup", "x flat"),

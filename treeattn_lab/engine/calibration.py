@@ -8,7 +8,9 @@ matters because a model call costs the larger of its host and device time (see
 about budget-sized ones, so most tries fill a good part of the budget. Three small ones (1/32 to 1/8 of
 it, like the last micro-batch of a rank's share) measure the host floor. The tries are measured in the
 order of :data:`CALIBRATION_DESIGN`, which puts first the tries that fill the budget and differ most, so
-a calibration cut short by its time limit still spans tokens, pairs per token and model calls.
+a calibration cut short by its time limit still spans tokens, pairs per token and model calls. DFS runs
+each trie in two block sizes, the call's and the largest within the budget, so that even two tries tell
+its cost per model call from its cost per token (``"auto"`` weighs DFS in large blocks).
 
 The fitted model is cached on disk per model architecture, device and engine settings (:func:`cache_path`).
 """
@@ -31,11 +33,12 @@ from ..atomic import atomic_writer
 from ..checks import check_int
 from ..trie import RolloutTrie
 from .adapters import adapt
+from .call_plan import dfs_block_ladder
 from .cost_model import MODES, CostModel, MicroBatchShape
 from .time_fit import model_work
 from .tree_backward import tree_backward
 
-CALIBRATION_VERSION = 5  # part of the cache key: calibrations of older designs are not reused
+CALIBRATION_VERSION = 6  # part of the cache key: calibrations of older designs are not reused
 
 
 def _device_label(device: torch.device) -> str:
@@ -197,10 +200,11 @@ def calibrate(
     ``scale_tokens``: tree tokens of the largest synthetic trie (default and at most ``token_budget``,
     else 4096): calibrate at the size the engine will run. Every mode first runs once on the smallest
     trie, not fitted (kernel compilation, library start-up). Then the tries are measured in order; none
-    starts after ``seconds`` (counted from the warm-up on), but at least one is measured. Flat and packed
-    keep the fastest of ``repeats`` runs (a new size can still compile a kernel variant), dfs (several
-    times slower) runs once. Existing ``.grad`` of the model's parameters are saved and restored, and the
-    progress bar is closed, whatever happens.
+    starts after ``seconds`` (counted from the warm-up on), but at least one is measured. Each trie runs
+    every mode at ``block_tokens`` and dfs also in the largest block within the budget
+    (:func:`_runs_of`). Every run keeps the fastest of ``repeats`` (a new size can still compile a kernel
+    variant), except dfs at ``block_tokens`` (several times slower), which runs once. Existing ``.grad``
+    of the model's parameters are saved and restored, and the progress bar is closed, whatever happens.
 
     The result says what it could fit: ``fit_info["calibration"]`` names the tries measured and those
     the time limit left out, ``fit_info[mode]`` how each mode was fitted. Where some mode's time was not
@@ -287,6 +291,20 @@ def _run(model, trie: RolloutTrie, mode: str, settings: dict) -> tuple[float, in
     return report.time_s, report.peak_memory_bytes
 
 
+def _runs_of(trie: RolloutTrie, settings: dict) -> list[tuple[str, int]]:
+    """``(mode, block_tokens)`` of each run on ``trie``: every mode at the call's block size, and dfs also
+    in the largest block of :func:`~treeattn_lab.engine.call_plan.dfs_block_ladder` within the budget
+    (what ``"auto"`` may run it in), so the fit sees dfs's cost per call apart from its cost per token."""
+    block, budget = settings["block_tokens"], settings["token_budget"]
+    runs = [(mode, block) for mode in MODES]
+    if budget is not None:
+        tree_tokens = sum(len(n.tokens) for n in trie.nodes)
+        largest = dfs_block_ladder(block, tree_tokens, budget)[-1]
+        if largest != block:
+            runs.append(("dfs", largest))
+    return runs
+
+
 def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, progress: bool):
     """The samples of :meth:`CostModel.fit` (every mode on each trie, in order, until ``seconds`` have
     passed) and how many tries were measured."""
@@ -304,9 +322,11 @@ def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, prog
         for _, trie in tries if bar is None else bar:
             if samples and time.perf_counter() - start > seconds:
                 break
-            shape = MicroBatchShape.of(trie, settings["block_tokens"], settings["token_budget"])
-            for mode in MODES:
-                runs = [_run(model, trie, mode, settings) for _ in range(1 if mode == "dfs" else repeats)]
+            for mode, block in _runs_of(trie, settings):
+                run_settings = {**settings, "block_tokens": block}
+                once = mode == "dfs" and block == settings["block_tokens"]  # the slowest run: once
+                runs = [_run(model, trie, mode, run_settings) for _ in range(1 if once else repeats)]
+                shape = MicroBatchShape.of(trie, block, settings["token_budget"])
                 samples.append(
                     {
                         "mode": mode,

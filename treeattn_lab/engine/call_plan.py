@@ -6,10 +6,17 @@ for each micro-batch's shape (:func:`auto_micro_batches`); while dropout is acti
 ``"dfs"`` for a gradient pass (DFS runs prefixes twice and needs the same activations both times).
 Neighbouring micro-batches it puts in ``"dfs"`` then run as one where the cost model predicts that one
 fits the memory limit: a DFS micro-batch's memory is its block and its path, not its tokens, and the
-joined one computes no prefix twice across the cut. Under a memory limit each DFS micro-batch then runs
-in the fastest block size of :func:`dfs_block_ladder` whose predicted peak fits it: ``block_tokens`` is
-the smallest block, and memory the limit leaves unused buys fewer, larger calls.
-:func:`engine_micro_batches` is that plan, shared with the distributed balancer.
+joined one computes no prefix twice across the cut. Each DFS micro-batch then runs in the fastest block
+size of :func:`dfs_block_ladder` that fits: under a memory limit, whose predicted peak fits it; without
+one, of at most ``token_budget`` tokens (the budget bounds the tokens one call holds with autograd, a
+packed micro-batch's or a DFS block's). ``block_tokens`` is the smallest block, and memory the limit
+leaves unused buys fewer, larger calls.
+
+The budget's cuts cost a packed plan the prefixes it carries over them; a walk of the whole trie in
+budget-sized blocks carries none and recomputes only the spine above its packed subtrees. So with a
+calibrated cost model (one that knows what a call costs) ``"auto"`` also weighs the whole trie as one DFS
+walk and runs it where that is predicted faster than the micro-batch plan. :func:`engine_micro_batches`
+is that plan, shared with the distributed balancer.
 """
 
 from __future__ import annotations
@@ -114,46 +121,66 @@ def auto_micro_batches(
     """The micro-batches ``"auto"`` runs, each with its ``mode`` set, and what the cost model predicts for
     it per mode, ``{mode: (seconds, bytes)}``: the budget's cuts, each in the fastest of ``modes`` that
     fits ``memory_limit``; then each run of neighbouring ``"dfs"`` micro-batches joined
-    (:func:`_joined_dfs`); then, under ``memory_limit``, each ``"dfs"`` one in its block size
-    (:func:`_fastest_fitting_block`, which sets its ``block_tokens``; ``"dfs"`` then predicts that size)."""
+    (:func:`_joined_dfs`); then each ``"dfs"`` one in its block size (:func:`_fastest_fitting_block`, which
+    sets its ``block_tokens``; ``"dfs"`` then predicts that size). Finally, with a calibrated model, the
+    whole trie as one DFS walk (:func:`_whole_walk`) where it fits and is predicted faster than that plan."""
     chosen = []
     for mb in plan_micro_batches(trie, token_budget, cost_model=cost_model, mode="auto"):
         shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
         mode, predictions = cost_model.choose(shape, memory_limit=memory_limit, modes=modes)
         chosen.append((replace(mb, mode=mode), predictions))
-    out: list[tuple[MicroBatch, dict]] = []
+    joined: list[tuple[MicroBatch, dict]] = []
     for mode, run in groupby(chosen, key=lambda c: c[0].mode):
         run = list(run)
         if mode == "dfs" and len(run) > 1:
             run = _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit, modes)
-        out.extend(run)
-    if memory_limit is None:
-        return out
-    return [
+        joined.extend(run)
+    plan = [
         _fastest_fitting_block(mb, p, block_tokens, token_budget, cost_model, memory_limit)
         if mb.mode == "dfs"
         else (mb, p)
-        for mb, p in out
+        for mb, p in joined
     ]
+    if "dfs" not in modes or not cost_model.calibrated or (len(plan) == 1 and plan[0][0].mode == "dfs"):
+        return plan
+    walk = _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, modes)
+    planned_s = sum(p[mb.mode][0] for mb, p in plan)
+    return [walk] if walk is not None and walk[1]["dfs"][0] < planned_s else plan
 
 
-def dfs_block_ladder(block_tokens: int, tree_tokens: int) -> list[int]:
-    """The DFS block sizes ``"auto"`` weighs under a memory limit: ``block_tokens`` doubled until one
-    block holds all ``tree_tokens`` of the micro-batch."""
+def _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, modes):
+    """The whole trie as one ``"dfs"`` micro-batch in its fastest fitting block size, with its predictions;
+    None where even ``block_tokens`` is predicted over ``memory_limit``."""
+    mb = MicroBatch(tuple(trie.dfs_sequence_order()), trie, 0, mode="dfs")
+    shape = MicroBatchShape.of(trie, block_tokens, token_budget)
+    predictions = {m: cost_model.predict(shape, m) for m in modes}
+    if memory_limit is not None and predictions["dfs"][1] > memory_limit:
+        return None
+    return _fastest_fitting_block(mb, predictions, block_tokens, token_budget, cost_model, memory_limit)
+
+
+def dfs_block_ladder(block_tokens: int, tree_tokens: int, max_block: int | None = None) -> list[int]:
+    """The DFS block sizes ``"auto"`` weighs: ``block_tokens`` doubled until one block holds all
+    ``tree_tokens`` of the micro-batch, none above ``max_block`` (None: no bound) but ``block_tokens``
+    itself."""
     ladder = [block_tokens]
-    while ladder[-1] < tree_tokens:
+    while ladder[-1] < tree_tokens and (max_block is None or 2 * ladder[-1] <= max_block):
         ladder.append(ladder[-1] * 2)
     return ladder
 
 
 def _fastest_fitting_block(mb, predictions, block_tokens, token_budget, cost_model, memory_limit):
     """The dfs micro-batch ``mb`` in the block size of :func:`dfs_block_ladder` predicted fastest among
-    those whose predicted peak fits ``memory_limit``, and its predictions with ``"dfs"`` at that size;
-    ``block_tokens`` where no larger one fits and is faster."""
+    those that fit, and its predictions with ``"dfs"`` at that size; ``block_tokens`` where no larger one
+    fits and is faster. A block fits under ``memory_limit`` where its predicted peak does; without a limit,
+    where it holds at most ``token_budget`` tokens (with neither, only ``block_tokens`` fits)."""
+    if memory_limit is None and token_budget is None:
+        return mb, predictions
     best, best_block = predictions["dfs"], block_tokens
-    for block in dfs_block_ladder(block_tokens, mb.tree_tokens)[1:]:
+    cap = token_budget if memory_limit is None else None
+    for block in dfs_block_ladder(block_tokens, mb.tree_tokens, cap)[1:]:
         seconds, peak = cost_model.predict(MicroBatchShape.of(mb.trie, block, token_budget), "dfs")
-        if peak <= memory_limit and seconds < best[0]:
+        if (memory_limit is None or peak <= memory_limit) and seconds < best[0]:
             best, best_block = (seconds, peak), block
     return replace(mb, block_tokens=best_block), {**predictions, "dfs": best}
 

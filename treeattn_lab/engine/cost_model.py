@@ -9,7 +9,9 @@ linear functions of what it computes (:mod:`treeattn_lab.engine.time_fit`):
 - packed: tree tokens, tree pairs (each token sees its position + 1 keys); its one model call *is* the
   micro-batch, so that column stays 0 and the constants alone carry the per-micro-batch cost;
 - dfs: tree tokens + recomputed tokens (blocks with children run twice: the spine above the packed
-  subtrees), their pairs, model calls (pushes, pops, packed spans of sibling leaves and subtrees).
+  subtrees), their pairs, model calls (pushes, pops, packed spans of sibling leaves and subtrees). A
+  recomputed token runs forward only, so it and its pairs count at their forward share of a trained one's
+  FLOPs (:data:`~treeattn_lab.engine.time_fit.FORWARD_TOKEN_SHARE`, ``FORWARD_PAIR_SHARE``).
 
 The host term is what the calls cost the host (Python, kernel launches) whatever their size: a micro-batch
 below it is *host-bound* (:meth:`CostModel.host_bound`), and its device would finish sooner than its host.
@@ -46,7 +48,7 @@ from ..trie import RolloutTrie
 from .dfs import PUSH_BLOCKS, walk
 from .modes import MODES, flat_chunks
 from .nnls import nnls, nnls_normalized
-from .time_fit import HOST_FEATURES, TIME_FEATURES, fit_host_bound
+from .time_fit import FORWARD_PAIR_SHARE, FORWARD_TOKEN_SHARE, HOST_FEATURES, TIME_FEATURES, fit_host_bound
 
 MEMORY_FEATURES = 3  # constant, held tokens, path tokens (see MicroBatchShape.memory_features)
 TREE_MODES = ("packed", "dfs")  # the modes that run a micro-batch as its trie
@@ -97,8 +99,8 @@ class MicroBatchShape:
         if mode == "dfs":
             return [
                 1.0,
-                self.tree_tokens + self.recomputed_tokens,
-                self.tree_pairs + self.recomputed_pairs,
+                self.tree_tokens + FORWARD_TOKEN_SHARE * self.recomputed_tokens,
+                self.tree_pairs + FORWARD_PAIR_SHARE * self.recomputed_pairs,
                 self.dfs_calls,
             ]
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")

@@ -46,6 +46,8 @@ MAX_PLAUSIBLE_FLOPS = 2.5e15  # FLOP/s: above the dense bf16 rate of any acceler
 TOKEN_FLOPS_PER_WEIGHT = 6  # a trained token: 2 FLOPs per matmul weight forward, 4 backward
 PAIR_FLOPS_PER_CHANNEL = 14  # an attended pair, per query head channel and layer: 4 forward (QK^T, PV),
 # 10 backward with the scores recomputed (flash attention)
+FORWARD_TOKEN_SHARE = 2 / TOKEN_FLOPS_PER_WEIGHT  # of a trained token's FLOPs, what a forward alone does
+FORWARD_PAIR_SHARE = 4 / PAIR_FLOPS_PER_CHANNEL  # likewise for an attended pair
 DEFAULT_PAIR_TOKEN_RATIO = 1.2e-4  # pair / token FLOPs of the 0.49B bench model, for unknown architectures
 
 

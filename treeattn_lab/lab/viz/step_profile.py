@@ -8,7 +8,7 @@ kernel before the host has queued the next, and it sits idle: the step is *host-
 device are the same cores, so there is no queue to starve.
 
 - :func:`model_calls`: how many model calls one ``tree_backward`` makes in packed or dfs mode.
-- :func:`with_model_calls`: a :func:`~treeattn_lab.bench.train.profile_step` row labelled with its
+- :func:`with_model_calls`: a :func:`~treeattn_lab.bench.step_profile.profile_step` row labelled with its
   machine and its number of model calls.
 - :func:`committed_profile_rows`: the ``profile`` rows of a committed ``bench train`` result, labelled
   the same way.

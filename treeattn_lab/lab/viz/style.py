@@ -28,7 +28,7 @@ PALETTE = qualitative.Plotly  # categories, partitioners and ranks, in order
 MASK_COLORSCALE = [[0.0, "#F4F4F4"], [1.0, "#2F5D8A"]]  # masked, attended
 BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "reference": "#72B7B2"}
 MODE_COLORS = {"flat": "#888888", "packed": "#4C78A8", "dfs": "#E45756", "dfs-ckpt": "#F58518",
-               "auto": "#54A24B"}
+               "dfs-budget": "#B279A2", "auto": "#54A24B"}
 MAX_FIGURE_WIDTH = 980  # px: the widest a drawing sets; the output area at a 1280-px window is wider
 TITLE_FONT_PX = 17  # plotly's default title size
 LINE_PX = 22  # the height of one title line
