@@ -13,10 +13,10 @@ packed micro-batch's or a DFS block's). ``block_tokens`` is the smallest block, 
 leaves unused buys fewer, larger calls.
 
 The budget's cuts cost a packed plan the prefixes it carries over them; a walk of the whole trie in
-budget-sized blocks carries none and recomputes only the spine above its packed subtrees. So with a
-calibrated cost model (one that knows what a call costs) ``"auto"`` also weighs the whole trie as one DFS
-walk and runs it where that is predicted faster than the micro-batch plan. :func:`engine_micro_batches`
-is that plan, shared with the distributed balancer.
+budget-sized blocks carries none and recomputes only the spine above its packed subtrees. So where the
+cost model's dfs time was fitted to measurements (it knows what a call costs) ``"auto"`` also weighs the
+whole trie as one DFS walk and runs it where that is predicted faster than the micro-batch plan.
+:func:`engine_micro_batches` is that plan, shared with the distributed balancer.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def auto_micro_batches(
     it per mode, ``{mode: (seconds, bytes)}``: the budget's cuts, each in the fastest of ``modes`` that
     fits ``memory_limit``; then each run of neighbouring ``"dfs"`` micro-batches joined
     (:func:`_joined_dfs`); then each ``"dfs"`` one in its block size (:func:`_fastest_fitting_block`, which
-    sets its ``block_tokens``; ``"dfs"`` then predicts that size). Finally, with a calibrated model, the
-    whole trie as one DFS walk (:func:`_whole_walk`) where it fits and is predicted faster than that plan."""
+    sets its ``block_tokens``; ``"dfs"`` then predicts that size). Finally, where the model's dfs time was
+    fitted to measurements (:meth:`CostModel.identifies`: it knows what a call costs), the whole trie as
+    one DFS walk (:func:`_whole_walk`) where it fits and is predicted faster than that plan."""
     chosen = []
     for mb in plan_micro_batches(trie, token_budget, cost_model=cost_model, mode="auto"):
         shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
@@ -141,7 +142,8 @@ def auto_micro_batches(
         else (mb, p)
         for mb, p in joined
     ]
-    if "dfs" not in modes or not cost_model.calibrated or (len(plan) == 1 and plan[0][0].mode == "dfs"):
+    walked = len(plan) == 1 and plan[0][0].mode == "dfs"
+    if "dfs" not in modes or not cost_model.identifies("dfs") or walked:
         return plan
     walk = _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, modes)
     planned_s = sum(p[mb.mode][0] for mb, p in plan)

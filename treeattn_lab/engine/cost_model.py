@@ -52,6 +52,7 @@ from .time_fit import FORWARD_PAIR_SHARE, FORWARD_TOKEN_SHARE, HOST_FEATURES, TI
 
 MEMORY_FEATURES = 3  # constant, held tokens, path tokens (see MicroBatchShape.memory_features)
 TREE_MODES = ("packed", "dfs")  # the modes that run a micro-batch as its trie
+IDENTIFIED_FITS = ("nnls", "physical")  # time fits whose coefficients the measurements determine
 
 @dataclass(frozen=True)
 class MicroBatchShape:
@@ -196,6 +197,12 @@ class CostModel:
         self.fit_info = copy.deepcopy(self.fit_info)
         self.refinement = copy.deepcopy(self.refinement)
 
+    def identifies(self, mode: str) -> bool:
+        """Whether ``mode``'s time is fitted to measurements that tell its parts apart: the model is
+        calibrated, or that mode's fit is ``"nnls"`` or ``"physical"`` (for dfs: its cost per model call
+        apart from its cost per token)."""
+        return self.calibrated or self.fit_info.get(mode, {}).get("method") in IDENTIFIED_FITS
+
     def predict(self, shape: MicroBatchShape, mode: str):
         """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``: seconds are the larger of the
         host and the device term."""
@@ -276,8 +283,7 @@ class CostModel:
                 scale = A.abs().amax(0).clamp_min(1.0)
                 b = torch.tensor([float(r["peak_bytes"]) for r in mem], dtype=torch.float64)
                 model.memory[mode] = (nnls(A / scale, b) / scale).tolist()
-        identified = ("nnls", "physical")
-        model.calibrated = all(model.fit_info.get(m, {}).get("method") in identified for m in MODES)
+        model.calibrated = all(model.fit_info.get(m, {}).get("method") in IDENTIFIED_FITS for m in MODES)
         return model
 
     def refine(self, observations) -> CostModel:
