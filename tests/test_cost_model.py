@@ -34,7 +34,14 @@ from treeattn_lab.engine.calibration import calibration_tries
 from treeattn_lab.engine.call_plan import auto_micro_batches
 from treeattn_lab.engine.cost_model import MODES
 from treeattn_lab.engine.nnls import COND_LIMIT
-from treeattn_lab.engine.time_fit import MAX_PLAUSIBLE_FLOPS, fit_host_bound, fit_time, model_work
+from treeattn_lab.engine.time_fit import (
+    MAX_PLAUSIBLE_FLOPS,
+    PER_CALL_FIT,
+    fit_host_bound,
+    fit_per_call,
+    fit_time,
+    model_work,
+)
 from treeattn_lab.reference import TinyLM, TinyLMConfig
 
 # the FLOPs of the 0.49B model of `bench train` (model_work of its TinyLM)
@@ -722,7 +729,7 @@ def test_a_full_calibration_is_calibrated_and_cached(fake_device, tmp_path):
     assert fitted.calibrated
     report = fitted.fit_info["calibration"]
     assert report["not_measured"] == [] and len(report["measured"]) == len(calibration.CALIBRATION_DESIGN)
-    assert {fitted.fit_info[m]["method"] for m in MODES} <= {"nnls", "physical"}
+    assert {fitted.fit_info[m]["method"] for m in MODES} <= {"nnls", "physical", PER_CALL_FIT}
     assert all(fitted.fit_info[m]["memory"] == "prior" for m in MODES)  # no peak memory on this device
     with pytest.raises(ValueError, match="memory was not measured"):
         fitted.choose(small_shapes(1, seed=0)[0], memory_limit=1e9)
@@ -730,6 +737,62 @@ def test_a_full_calibration_is_calibrated_and_cached(fake_device, tmp_path):
     n = fake_device["n"]
     assert calibrate(tiny_model(), **SETTINGS, progress=False).to_dict() == fitted.to_dict()
     assert fake_device["n"] == n  # from the cache
+
+
+# what a dfs call costs the host, and the device's constant: at TRUTH's rates the calibration tries' short
+# calls wait on the host and their long ones on the device
+HOST_PER_CALL, DEVICE_PER_CALL = 3e-4, 1e-4
+
+
+def per_call_truth(shape: MicroBatchShape) -> float:
+    """A dfs walk on a device where every call costs the larger of its host and its device time, the
+    device running a call's tokens and pairs at packed's rates (TRUTH) and a push at its forward share."""
+    _, per_token, per_pair, _ = TRUTH["packed"]
+    return sum(max(share * HOST_PER_CALL, share * DEVICE_PER_CALL + per_token * n + per_pair * p)
+               for share, n, p in shape.dfs_call_work)
+
+
+def test_dfs_is_fitted_per_call_and_predicts_walks_in_other_block_sizes(fake_device, monkeypatch):
+    def fake_tree_backward(model, trie, token_weights, *, mode, block_tokens, token_budget):
+        shape = MicroBatchShape.of(trie, block_tokens, token_budget)
+        if mode == "dfs":
+            seconds = per_call_truth(shape)
+        else:
+            seconds = sum(a * f for a, f in zip(TRUTH[mode], shape.time_features(mode), strict=True))
+        return SimpleNamespace(report=SimpleNamespace(time_s=seconds, peak_memory_bytes=None))
+
+    monkeypatch.setattr(calibration, "tree_backward", fake_tree_backward)
+    fitted = calibrate(tiny_model(), block_tokens=8, token_budget=64, progress=False, use_cache=False)
+    assert fitted.fit_info["dfs"]["method"] == PER_CALL_FIT and fitted.fit_info["packed"]["method"] == "nnls"
+    assert fitted.time["dfs"][1:3] == fitted.time["packed"][1:3]  # a call's tokens at packed's rates
+    assert fitted.host["dfs"][1] == pytest.approx(HOST_PER_CALL, rel=0.03)
+    assert fitted.time["dfs"][3] == pytest.approx(DEVICE_PER_CALL, rel=0.1)
+    assert fitted.fit_info["dfs"]["rel_rms_residual"] < 0.01
+    trie = RolloutTrie.from_sequences(prompt_groups(prompts=3, prompt_len=40, samples=5, tail=12, seed=9))
+    for block in (8, 16, 32, 64):  # sizes and a trie the calibration never ran
+        shape = MicroBatchShape.of(trie, block, 64)
+        assert fitted.predict(shape, "dfs")[0] == pytest.approx(per_call_truth(shape), rel=0.03)
+
+
+def test_the_calls_work_adds_up_to_the_dfs_features_and_without_a_host_cost_to_the_device_term():
+    shape = MicroBatchShape.of(RolloutTrie.from_sequences(prompt_groups(seed=2)), 16, 64)
+    _, tokens, pairs, calls = shape.time_features("dfs")
+    shares = [share for share, _, _ in shape.dfs_call_work]
+    assert len(shares) == calls and min(shares) < 1  # the walk pushes
+    assert sum(n for _, n, _ in shape.dfs_call_work) == pytest.approx(tokens, rel=1e-12)
+    assert sum(p for _, _, p in shape.dfs_call_work) == pytest.approx(pairs, rel=1e-12)
+    c0, per_token, per_pair, per_call = 0.01, 1e-5, 1e-8, 0.002
+    model = CostModel(time={m: [c0, per_token, per_pair, per_call] for m in MODES}, calibrated=True,
+                      fit_info={"dfs": {"method": PER_CALL_FIT}})
+    device = c0 + per_token * tokens + per_pair * pairs + per_call * sum(shares)  # a push's: its share
+    assert model.predict(shape, "dfs")[0] == pytest.approx(device, rel=1e-12)
+
+
+def test_a_per_call_fit_refuses_walks_without_calls():
+    with pytest.raises(ValueError, match="one non-empty list"):
+        fit_per_call([[(1.0, 10.0, 55.0)], []], [0.1, 0.2], (1e-5, 1e-8))
+    with pytest.raises(ValueError, match="one non-empty list"):
+        fit_per_call([[(1.0, 10.0, 55.0)]], [0.1, 0.2], (1e-5, 1e-8))
 
 
 def test_measured_peak_memory_is_fitted(fake_device):

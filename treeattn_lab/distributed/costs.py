@@ -122,8 +122,7 @@ class EngineCost:
         mode = micro_batch.mode or self.mode
         if mode == "auto":
             mode, _ = self.cost_model.choose(shape, memory_limit=self.memory_limit)
-        host, device = self.cost_model.time_terms(shape, mode)
-        return mode, max(host, device), host > device
+        return mode, self.cost_model.predict(shape, mode)[0], self.cost_model.host_bound(shape, mode)
 
     def mode_and_seconds(self, micro_batch: MicroBatch, token_budget: int | None) -> tuple[str, float]:
         """The mode the engine runs ``micro_batch`` in, and its predicted seconds."""

@@ -332,6 +332,7 @@ def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, prog
                         "mode": mode,
                         "time_features": shape.time_features(mode),
                         "memory_features": shape.memory_features(mode),
+                        "call_work": shape.dfs_call_work if mode == "dfs" else None,
                         "time_s": min(t for t, _ in runs),
                         "peak_bytes": runs[-1][1],
                     }

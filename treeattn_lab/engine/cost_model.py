@@ -16,13 +16,20 @@ linear functions of what it computes (:mod:`treeattn_lab.engine.time_fit`):
 The host term is what the calls cost the host (Python, kernel launches) whatever their size: a micro-batch
 below it is *host-bound* (:meth:`CostModel.host_bound`), and its device would finish sooner than its host.
 
+A DFS walk mixes short calls, which wait on the host, with long ones, which keep the GPU busy while the
+host issues the next, so where calibration measured every call's work its time is taken *per call*
+(:meth:`CostModel.per_call_seconds`): ``sum over calls of max(host per call, c + device slopes . [tokens,
+pairs])``. A call's tokens and pairs run the same kernels as a packed micro-batch's, so the device slopes
+are packed's, and the fit finds the host's cost of a call and the device's constant per call
+(:func:`~treeattn_lab.engine.time_fit.fit_per_call`).
+
 Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padded chunk, packed the
 whole micro-batch, dfs its largest call with autograd plus the K/V of the longest path).
 
 **Fitting** (:meth:`CostModel.fit`, on the measurements of
 :func:`treeattn_lab.engine.calibration.calibrate`): per mode,
 :func:`~treeattn_lab.engine.time_fit.fit_host_bound` (NNLS on each side of ``host = device``, the device
-slopes held to what a device can do).
+slopes held to what a device can do); dfs per call, as above, where packed's time was identified.
 
 **Refinement** (:meth:`CostModel.refine`): measured times of real micro-batches rescale each mode's
 coefficients (least squares), which corrects what the synthetic calibration tries miss.
@@ -48,11 +55,19 @@ from ..trie import RolloutTrie
 from .dfs import PUSH_BLOCKS, walk
 from .modes import MODES, flat_chunks
 from .nnls import nnls, nnls_normalized
-from .time_fit import FORWARD_PAIR_SHARE, FORWARD_TOKEN_SHARE, HOST_FEATURES, TIME_FEATURES, fit_host_bound
+from .time_fit import (
+    FORWARD_PAIR_SHARE,
+    FORWARD_TOKEN_SHARE,
+    HOST_FEATURES,
+    PER_CALL_FIT,
+    TIME_FEATURES,
+    fit_host_bound,
+    fit_per_call,
+)
 
 MEMORY_FEATURES = 3  # constant, held tokens, path tokens (see MicroBatchShape.memory_features)
 TREE_MODES = ("packed", "dfs")  # the modes that run a micro-batch as its trie
-IDENTIFIED_FITS = ("nnls", "physical")  # time fits whose coefficients the measurements determine
+IDENTIFIED_FITS = ("nnls", "physical", PER_CALL_FIT)  # time fits the measurements determine
 
 @dataclass(frozen=True)
 class MicroBatchShape:
@@ -69,6 +84,9 @@ class MicroBatchShape:
     dfs_calls: int  # DFS: model calls (pushes, pops, packed spans of sibling leaves and subtrees)
     max_block: int  # DFS: tokens of its largest call with autograd
     max_length: int
+    # DFS: per model call, (share, tokens, attended pairs): share 1 for a call with autograd, the forward
+    # share of a trained token's FLOPs for a push (a forward alone), its tokens and pairs counted at it
+    dfs_call_work: tuple[tuple[float, float, float], ...] = ()
 
     @classmethod
     def of(cls, trie: RolloutTrie, block_tokens: int, token_budget: int | None = None) -> MicroBatchShape:
@@ -78,6 +96,14 @@ class MicroBatchShape:
         pack = trie.pack_on("cpu")
         _, events = walk(pack, block_tokens, packed_subtrees=True, push_blocks=PUSH_BLOCKS)
         pushed = [b for e, b in events if e == "push"]
+        keys_before = [0]  # keys_before[q]: the pairs of packed tokens before q (each sees position + 1)
+        for position in pack._cpu("position_ids").tolist():
+            keys_before.append(keys_before[-1] + position + 1)
+        call_work = []
+        for event, b in events:
+            token_share, pair_share = (FORWARD_TOKEN_SHARE, FORWARD_PAIR_SHARE) if event == "push" else (1, 1)
+            pairs = keys_before[b.end] - keys_before[b.start]
+            call_work.append((token_share, token_share * (b.end - b.start), pair_share * pairs))
         return cls(
             flat_tokens=sum(lengths),
             padded_tokens=sum(rows * n for rows, n in padded),
@@ -90,6 +116,7 @@ class MicroBatchShape:
             dfs_calls=len(events),
             max_block=max(b.end - b.start for e, b in events if e != "push"),
             max_length=max(lengths),
+            dfs_call_work=tuple(call_work),
         )
 
     def time_features(self, mode: str) -> list[float]:
@@ -205,10 +232,25 @@ class CostModel:
 
     def predict(self, shape: MicroBatchShape, mode: str):
         """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``: seconds are the larger of the
-        host and the device term."""
+        host and the device term, or for a dfs time fitted per call (:data:`PER_CALL_FIT`) the sum over
+        its calls of each call's larger term (:meth:`per_call_seconds`)."""
         host, device = self.time_terms(shape, mode)
         m = sum(a * f for a, f in zip(self.memory[mode], shape.memory_features(mode), strict=True))
+        if mode == "dfs" and self.fit_info.get("dfs", {}).get("method") == PER_CALL_FIT:
+            return max(self.host["dfs"][0], self.per_call_seconds(shape)), m
         return max(host, device), m
+
+    def per_call_seconds(self, shape: MicroBatchShape) -> float:
+        """A DFS walk's seconds as the sum of its calls' times, each the larger of the host's cost of a
+        call and the call's device time (the device term's constant once, then per call its cost per call,
+        per token and per pair; a push's fixed costs at its forward share): a walk of short calls waits
+        on the host, one of long calls on the GPU."""
+        c0, per_token, per_pair, per_call = self.time["dfs"]
+        host_call = self.host["dfs"][1]
+        return c0 + sum(
+            max(share * host_call, share * per_call + per_token * n + per_pair * p)
+            for share, n, p in shape.dfs_call_work
+        )
 
     def time_terms(self, shape: MicroBatchShape, mode: str) -> tuple[float, float]:
         """``(host, device)`` seconds of running ``shape`` in ``mode``; the time is the larger."""
@@ -259,9 +301,10 @@ class CostModel:
     @classmethod
     def fit(cls, samples: list[dict], *, device: str = "any", work: dict | None = None) -> CostModel:
         """Fit from ``samples``: dicts with ``mode``, ``time_features``, ``memory_features``, ``time_s``,
-        ``peak_bytes`` (None where unknown). ``work``: the model's FLOPs
-        (:func:`~treeattn_lab.engine.time_fit.model_work`) for the
-        plausibility check and the physical fallback. Modes without samples keep the prior.
+        ``peak_bytes`` (None where unknown) and, for dfs, optionally ``call_work`` (its shape's
+        ``dfs_call_work``: then dfs is fitted per call where packed's time was identified). ``work``: the
+        model's FLOPs (:func:`~treeattn_lab.engine.time_fit.model_work`) for the plausibility check and
+        the physical fallback. Modes without samples keep the prior.
 
         The result is ``calibrated`` only where every mode's time was identified (``"nnls"`` or
         ``"physical"``); memory is fitted where at least two samples of the mode report peak bytes.
@@ -276,6 +319,14 @@ class CostModel:
             A = torch.tensor([r["time_features"] for r in rows], dtype=torch.float64)
             b = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
             model.time[mode], model.host[mode], model.fit_info[mode] = fit_host_bound(A, b, work)
+            packed_slopes = model.time["packed"][1:3]
+            packed_fitted = model.fit_info.get("packed", {}).get("method") in IDENTIFIED_FITS
+            if mode == "dfs" and packed_fitted and all(r.get("call_work") for r in rows):
+                free = model.fit_info[mode]
+                model.time[mode], model.host[mode], model.fit_info[mode] = fit_per_call(
+                    [r["call_work"] for r in rows], b, packed_slopes
+                )
+                model.fit_info[mode]["free_fit_rel_rms_residual"] = free["rel_rms_residual"]
             mem = [r for r in rows if r.get("peak_bytes") is not None]
             model.fit_info[mode]["memory"] = "nnls" if len(mem) >= 2 else "prior"
             if len(mem) >= 2:

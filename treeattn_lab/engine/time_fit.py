@@ -37,6 +37,8 @@ from torch import nn
 
 from .nnls import nnls_normalized
 
+PER_CALL_FIT = "per-call"  # the method name of fit_per_call's fits
+
 TIME_FEATURES = ("micro_batch", "tokens", "attention_pairs", "model_calls")
 HOST_FEATURES = ("micro_batch", "model_calls")
 HOST_GAIN = 0.5  # the max(host, device) fit must at least halve the linear fit's relative RMS residual
@@ -209,3 +211,64 @@ def fit_host_bound(A, b, work: dict | None = None) -> tuple[list[float], list[fl
     info = {**side_info, "rel_rms_residual": residual, "shapes": int(A.shape[0])}
     info.update(host="max", host_bound=count, linear_rel_rms_residual=linear)
     return t.tolist(), eta.tolist(), info
+
+
+# --------------------------------------------------------------------------------------- per call
+PER_CALL_GRID = 96  # candidate values of each of the two fitted coefficients, per round
+PER_CALL_ROUNDS = 3  # each round searches a finer grid around the previous round's best pair
+
+
+def fit_per_call(calls, b, slopes) -> tuple[list[float], list[float], dict]:
+    """A DFS mode's coefficients where each measured walk's time is the sum over its model calls of
+    ``max(s_i h, s_i c + slopes . [tokens_i, pairs_i])``: ``h`` the host's cost of a call, ``c`` the
+    device's constant per call, ``s_i`` the call's share of them (a forward alone issues a fraction of a
+    training call's work), ``slopes`` (per token, per pair) held fixed (packed's: a call runs the same
+    kernels).
+
+    ``calls``: per measurement, its calls' ``(share, tokens, pairs)``; ``b``: the measured seconds. ``h`` and
+    ``c`` minimize the relative squared error, found on a grid of :data:`PER_CALL_GRID` values each
+    (zero and a log scale around the mean seconds per call), refined :data:`PER_CALL_ROUNDS` times.
+    Returns ``(theta, eta, info)`` in the layout of :func:`fit_host_bound`: ``theta = [0, per token, per
+    pair, c]``, ``eta = [0, h]``; ``info["method"]`` is :data:`PER_CALL_FIT`, ``host_bound`` counts the
+    calls (over all measurements) that the fit says wait on the host.
+    """
+    b = torch.as_tensor(b, dtype=torch.float64)
+    if len(calls) != b.shape[0] or not len(calls) or any(not c for c in calls):
+        raise ValueError("need one non-empty list of (tokens, pairs) per measured time")
+    per_token, per_pair = (float(x) for x in slopes)
+    width = max(len(c) for c in calls)
+    device = torch.zeros(len(calls), width, dtype=torch.float64)
+    share = torch.zeros(len(calls), width, dtype=torch.float64)  # 0 pads the shorter walks
+    for j, work in enumerate(calls):
+        w = torch.tensor(work, dtype=torch.float64)
+        share[j, : len(work)] = w[:, 0]
+        device[j, : len(work)] = per_token * w[:, 1] + per_pair * w[:, 2]
+
+    def errors(h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:  # [len(h), len(c)] mean squared rel. error
+        t = torch.maximum(h[:, None, None, None] * share, c[None, :, None, None] * share + device)
+        predicted = t.sum(-1)
+        return ((predicted - b) / b).square().mean(-1)
+
+    scale = float((b / share.sum(1)).mean())
+    grid = torch.cat([torch.zeros(1, dtype=torch.float64), scale * torch.logspace(-5, 1, PER_CALL_GRID - 1,
+                                                                                   dtype=torch.float64)])
+    hs, cs = grid, grid
+    for _ in range(PER_CALL_ROUNDS):
+        err = errors(hs, cs)
+        i, j = divmod(int(err.argmin()), err.shape[1])
+        h, c = float(hs[i]), float(cs[j])
+        hs = _around(h, scale)
+        cs = _around(c, scale)
+    best = errors(torch.tensor([h], dtype=torch.float64), torch.tensor([c], dtype=torch.float64))
+    waiting = int(((h * share > c * share + device) & (share > 0)).sum())
+    info = {"method": PER_CALL_FIT, "rel_rms_residual": float(best.sqrt()), "shapes": int(b.shape[0]),
+            "host": "per-call", "host_bound": waiting}
+    return [0.0, per_token, per_pair, c], [0.0, h], info
+
+
+def _around(value: float, scale: float) -> torch.Tensor:
+    """A finer grid of :data:`PER_CALL_GRID` values around ``value`` (from zero where it is zero)."""
+    if value == 0.0:
+        return torch.cat([torch.zeros(1, dtype=torch.float64),
+                          scale * torch.logspace(-7, -4, PER_CALL_GRID - 1, dtype=torch.float64)])
+    return value * torch.logspace(-0.3, 0.3, PER_CALL_GRID, dtype=torch.float64)
