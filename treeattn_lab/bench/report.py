@@ -141,11 +141,12 @@ def render_train(p: dict) -> list[str]:
 
     def throughput(group):
         r = group[0]
-        chose = f", chose {r['choices']}" if r["mode"] == "auto" else ""
+        chose = f", chose {r['choices']}" if r["mode"].startswith("auto") else ""
         return f"{fmt(r['tokens_per_s'])} ({fmt(r['speedup'])}x){chose}"
 
+    ratios = ("token_ratio", "work_ratio") if all("work_ratio" in r for r in p["rows"]) else ("token_ratio",)
     out = model_line(p) + ["Flat tokens per second (x flat):", ""]
-    out += pivot(p["rows"], ("set", "token_ratio"), "mode", throughput)
+    out += pivot(p["rows"], ("set", *ratios), "mode", throughput)
     out += ["Peak GiB:", ""] + pivot(p["rows"], ("set",), "mode", lambda g: fmt(g[0]["peak_gib"]))
     if p.get("precision"):
         out += ["bf16 gradients against fp32 flat (relative norm):", ""]
@@ -216,7 +217,8 @@ SECTIONS = (
             "every block on one attention kernel, and a whole packed step under "
             "torch.compile(fullgraph=True).",
             {"train": render_train, "rl": render_rl, "grpo-tree-": render_grpo,
-             "train-compiled-layers": render_train, "dfs-kernels": render_rows, "compile": render_rows}),
+             "train-compiled-layers": render_train, "train-walk-probe": render_train,
+             "dfs-kernels": render_rows, "compile": render_rows}),
     Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
             "data-parallel step on two GPUs.",
             {"balance": render_balance, "multi-gpu-train-2x": render_multi_gpu}),
