@@ -245,9 +245,11 @@ def fit_per_call(calls, b, slopes) -> tuple[list[float], list[float], dict]:
         device[j, : len(work)] = per_token * w[:, 1] + per_pair * w[:, 2]
 
     def errors(h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:  # [len(h), len(c)] mean squared rel. error
-        t = torch.maximum(h[:, None, None, None] * share, c[None, :, None, None] * share + device)
-        predicted = t.sum(-1)
-        return ((predicted - b) / b).square().mean(-1)
+        rows = []
+        for host in h.tolist():  # one host value at a time: [len(c), measurements, calls] stays small
+            predicted = torch.maximum(host * share, c[:, None, None] * share + device).sum(-1)
+            rows.append(((predicted - b) / b).square().mean(-1))
+        return torch.stack(rows)
 
     scale = float((b / share.sum(1)).mean())
     grid = torch.cat([torch.zeros(1, dtype=torch.float64), scale * torch.logspace(-5, 1, PER_CALL_GRID - 1,
