@@ -5,6 +5,7 @@ rescaling from measured micro-batches (also through the distributed probe, on a 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import json
 import math
@@ -788,11 +789,35 @@ def test_the_calls_work_adds_up_to_the_dfs_features_and_without_a_host_cost_to_t
     assert model.predict(shape, "dfs")[0] == pytest.approx(device, rel=1e-12)
 
 
+def test_a_per_call_model_says_which_walks_wait_on_the_host_and_survives_a_round_trip():
+    trie = RolloutTrie.from_sequences(prompt_groups(prompts=3, prompt_len=40, samples=5, tail=12, seed=9))
+    small, large = MicroBatchShape.of(trie, 8, 64), MicroBatchShape.of(trie, 64, 64)
+    _, per_token, per_pair, _ = TRUTH["packed"]
+    model = CostModel(time={m: [0.0, per_token, per_pair, DEVICE_PER_CALL] for m in MODES},
+                      host={m: [0.0, HOST_PER_CALL] for m in MODES}, calibrated=True,
+                      fit_info={"dfs": {"method": PER_CALL_FIT}})
+    for shape in (small, large):
+        host, device = model.time_terms(shape, "dfs")
+        assert model.predict(shape, "dfs")[0] == pytest.approx(per_call_truth(shape), rel=1e-12)
+        seconds = model.predict(shape, "dfs")[0]
+        assert max(host, device) <= seconds * (1 + 1e-12) and seconds <= (host + device) * (1 + 1e-12)
+    assert model.host_bound(small, "dfs") and small.dfs_calls > large.dfs_calls
+    again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again.predict(small, "dfs") == model.predict(small, "dfs") and again.identifies("dfs")
+    bare = dataclasses.replace(small, dfs_call_work=())
+    with pytest.raises(ValueError, match="dfs_call_work"):
+        model.predict(bare, "dfs")
+
+
 def test_a_per_call_fit_refuses_walks_without_calls():
     with pytest.raises(ValueError, match="one non-empty list"):
         fit_per_call([[(1.0, 10.0, 55.0)], []], [0.1, 0.2], (1e-5, 1e-8))
     with pytest.raises(ValueError, match="one non-empty list"):
         fit_per_call([[(1.0, 10.0, 55.0)]], [0.1, 0.2], (1e-5, 1e-8))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fit_per_call([[(1.0, 10.0, 55.0)]], [0.0], (1e-5, 1e-8))
+    with pytest.raises(ValueError, match="per token, per pair"):
+        fit_per_call([[(1.0, 10.0, 55.0)]], [0.1], (1e-5,))
 
 
 def test_measured_peak_memory_is_fitted(fake_device):

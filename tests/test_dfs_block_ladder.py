@@ -125,6 +125,12 @@ def test_the_ladder_stops_at_its_bound_but_always_holds_the_call_block():
     assert dfs_block_ladder(8, 70, 32) == [8, 16, 32]
     assert dfs_block_ladder(8, 70, 40) == [8, 16, 32]
     assert dfs_block_ladder(64, 70, 32) == [64]
+    assert dfs_block_ladder(8, 20, 20) == [8, 16, 32]  # a 32-token block holds the 20 tokens: within 20
+    for bad in ((0, 70, None), (8, -1, None), (8, 70, 0)):
+        with pytest.raises(ValueError, match="must be at least"):
+            dfs_block_ladder(*bad)
+    with pytest.raises(TypeError, match="block_tokens must be an int"):
+        dfs_block_ladder(8.0, 70)
 
 
 def walk_model(per_call: float) -> CostModel:
@@ -167,13 +173,40 @@ def test_auto_walks_the_whole_trie_in_budget_blocks_where_the_cuts_carry_prefixe
     assert_grads_close(model, expected, 1e-9)
 
 
-def test_without_calibration_or_with_dropout_auto_keeps_the_budgets_micro_batches():
+def test_without_a_fitted_dfs_time_without_dfs_or_under_a_small_budget_auto_keeps_its_micro_batches():
     seqs, budget = cut_prompts(), 64
     trie = RolloutTrie.from_sequences(seqs)
     prior = auto_micro_batches(trie, BLOCK, budget, CostModel())  # the prior knows no cost per call
     assert len(prior) > 1 and "dfs" not in {mb.mode for mb, _ in prior}
+    # what plan_call passes while dropout is active: no dfs
     no_dfs = auto_micro_batches(trie, BLOCK, budget, walk_model(per_call=0.0), modes=("flat", "packed"))
     assert len(no_dfs) > 1 and {mb.mode for mb, _ in no_dfs} == {"packed"}
+    # a budget below block_tokens: a walk's calls would hold more than the budget
+    small = auto_micro_batches(trie, 2 * budget, budget, walk_model(per_call=0.0))
+    assert len(small) > 1 and {mb.mode for mb, _ in small} == {"packed"}
+    saved = walk_model(per_call=0.0).to_dict()
+    del saved["features_version"]  # a model saved before recomputed tokens counted at their forward share
+    older = CostModel.from_dict(saved)
+    assert not older.identifies("dfs") and older.identifies("packed")
+    assert len(auto_micro_batches(trie, BLOCK, budget, older)) > 1
+
+
+def test_the_walk_hands_each_rollout_its_own_loss_and_gradient_in_any_input_order():
+    groups = cut_prompts()  # two prompts of six rollouts each, interleaved: DFS order is not input order
+    seqs = [s for pair in zip(groups[:6], groups[6:], strict=True) for s in pair]
+    trie, budget = RolloutTrie.from_sequences(seqs), 64
+    assert trie.dfs_sequence_order() != list(range(len(seqs)))
+    ((walk, _),) = auto_micro_batches(trie, BLOCK, budget, walk_model(per_call=0.0))
+    assert [walk.trie.seq_lengths[r] for r in range(len(seqs))] == [len(seqs[i]) for i in walk.sequences]
+    model = tiny_lm(seed=4)
+    weights = random_weights(seqs, 17)
+    expected, losses = flat_gradients(model, seqs, weights)
+    result = tree_backward(model, trie, weights, mode="auto", block_tokens=BLOCK, token_budget=budget,
+                           cost_model=walk_model(per_call=0.0))
+    assert result.report.modes == ["dfs"]
+    torch.testing.assert_close(result.losses, torch.as_tensor(losses, dtype=result.losses.dtype),
+                               rtol=1e-9, atol=1e-9)
+    assert_grads_close(model, expected, 1e-9)
 
 
 def test_under_a_memory_limit_the_walk_must_fit_it():

@@ -44,6 +44,10 @@ def test_the_repository_root_does_not_shadow_the_pypi_package_kernels():
     run = subprocess.run([sys.executable, "-c", code, str(ROOT / "kernels")], cwd=ROOT, check=True,
                          capture_output=True, text=True)
     assert run.stdout.strip() == "True"
+    code = ("import treeattn_lab.kernels.tuning, treeattn_lab; "
+            "print(treeattn_lab.kernels.tuning.__name__, treeattn_lab.kernels.__path__[0])")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert run.stdout.split() == ["treeattn_lab.kernels.tuning", str(ROOT / "kernels")]
 
 
 def test_every_library_folder_is_listed_as_a_package():

@@ -87,7 +87,11 @@ def link_source_kernels() -> None:
         return
     spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
     spec.submodule_search_locations = [str(folder)]
-    sys.modules[name] = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    parent = sys.modules.get("treeattn_lab")
+    if parent is not None:  # as an import would: the subpackage is also an attribute of its parent
+        parent.kernels = module
 
 
 def triton_installed() -> bool:

@@ -41,6 +41,7 @@ from ..checks import check_int
 from ..engine.call_plan import engine_micro_batches
 from ..engine.cost_model import MODES, CostModel, MicroBatchShape
 from ..engine.microbatch import MicroBatch, check_planning_mode
+from ..engine.time_fit import FORWARD_PAIR_SHARE, FORWARD_TOKEN_SHARE
 from ..trie import RolloutTrie
 
 
@@ -150,8 +151,11 @@ class EngineCost:
             tokens = len(n.tokens)
             pairs = (n.depth + 1 + n.end_depth) * tokens / 2  # token at position p attends p + 1 keys
             c = per_token * tokens + per_pair * pairs
-            if mode == "dfs":  # pushed without grad, then recomputed with grad when it has children
-                c = c * (2 if n.children else 1) + per_call * (2 if n.children else 1)
+            if mode == "dfs":  # one call with grad; a node with children is pushed first, forward only
+                c += per_call
+                if n.children:
+                    c += FORWARD_TOKEN_SHARE * (per_token * tokens + per_call)
+                    c += FORWARD_PAIR_SHARE * per_pair * pairs
             node.append(c if tokens else 0.0)
         return node, [0.0] * trie.num_sequences
 

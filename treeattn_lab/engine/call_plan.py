@@ -8,12 +8,13 @@ Neighbouring micro-batches it puts in ``"dfs"`` then run as one where the cost m
 fits the memory limit: a DFS micro-batch's memory is its block and its path, not its tokens, and the
 joined one computes no prefix twice across the cut. Each DFS micro-batch then runs in the fastest block
 size of :func:`dfs_block_ladder` that fits: under a memory limit, whose predicted peak fits it; without
-one, of at most ``token_budget`` tokens (the budget bounds the tokens one call holds with autograd, a
-packed micro-batch's or a DFS block's). ``block_tokens`` is the smallest block, and memory the limit
-leaves unused buys fewer, larger calls.
+one, whose calls hold at most ``token_budget`` tokens (the budget bounds the tokens one call holds with
+autograd, a packed micro-batch's or a DFS block's). ``block_tokens`` is the smallest block, and memory the
+limit leaves unused buys fewer, larger calls.
 
 The budget's cuts cost a packed plan the prefixes it carries over them; a walk of the whole trie in
-budget-sized blocks carries none and recomputes only the spine above its packed subtrees. So where the
+budget-sized blocks (under a memory limit, blocks that fit it) carries none and recomputes only the spine
+above its packed subtrees. So where the
 cost model's dfs time was fitted to measurements (it knows what a call costs) ``"auto"`` also weighs the
 whole trie as one DFS walk and runs it where that is predicted faster than the micro-batch plan.
 :func:`engine_micro_batches` is that plan, shared with the distributed balancer.
@@ -143,7 +144,9 @@ def auto_micro_batches(
         for mb, p in joined
     ]
     walked = len(plan) == 1 and plan[0][0].mode == "dfs"
-    if "dfs" not in modes or not cost_model.identifies("dfs") or walked:
+    # without a memory limit the budget bounds a call, and a budget below block_tokens admits no walk
+    unbounded = memory_limit is None and (token_budget is None or token_budget < block_tokens)
+    if "dfs" not in modes or not cost_model.identifies("dfs") or walked or unbounded:
         return plan
     walk = _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, modes)
     planned_s = sum(p[mb.mode][0] for mb, p in plan)
@@ -153,8 +156,9 @@ def auto_micro_batches(
 def _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, modes):
     """The whole trie as one ``"dfs"`` micro-batch in its fastest fitting block size, with its predictions;
     None where even ``block_tokens`` is predicted over ``memory_limit``."""
-    mb = MicroBatch(tuple(trie.dfs_sequence_order()), trie, 0, mode="dfs")
-    shape = MicroBatchShape.of(trie, block_tokens, token_budget)
+    order = trie.dfs_sequence_order()
+    mb = MicroBatch(tuple(order), trie.subtrie(order), 0, mode="dfs")  # its r-th rollout is order[r]
+    shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
     predictions = {m: cost_model.predict(shape, m) for m in modes}
     if memory_limit is not None and predictions["dfs"][1] > memory_limit:
         return None
@@ -163,10 +167,13 @@ def _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, mode
 
 def dfs_block_ladder(block_tokens: int, tree_tokens: int, max_block: int | None = None) -> list[int]:
     """The DFS block sizes ``"auto"`` weighs: ``block_tokens`` doubled until one block holds all
-    ``tree_tokens`` of the micro-batch, none above ``max_block`` (None: no bound) but ``block_tokens``
-    itself."""
+    ``tree_tokens`` of the micro-batch; past ``block_tokens`` itself, only sizes whose calls hold at most
+    ``max_block`` tokens (a block larger than the micro-batch holds its ``tree_tokens``; None: no bound)."""
+    check_int("block_tokens", block_tokens)
+    check_int("tree_tokens", tree_tokens, minimum=0)
+    check_int("max_block", max_block, allow_none=True)
     ladder = [block_tokens]
-    while ladder[-1] < tree_tokens and (max_block is None or 2 * ladder[-1] <= max_block):
+    while ladder[-1] < tree_tokens and (max_block is None or min(2 * ladder[-1], tree_tokens) <= max_block):
         ladder.append(ladder[-1] * 2)
     return ladder
 

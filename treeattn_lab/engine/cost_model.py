@@ -68,6 +68,9 @@ from .time_fit import (
 MEMORY_FEATURES = 3  # constant, held tokens, path tokens (see MicroBatchShape.memory_features)
 TREE_MODES = ("packed", "dfs")  # the modes that run a micro-batch as its trie
 IDENTIFIED_FITS = ("nnls", "physical", PER_CALL_FIT)  # time fits the measurements determine
+# the time features' design, saved with a model: 2 counts a recomputed dfs token at its forward share
+FEATURES_VERSION = 2
+OLDER_FEATURES_FIT = "fitted to older features"  # the dfs method of a model saved before FEATURES_VERSION
 
 @dataclass(frozen=True)
 class MicroBatchShape:
@@ -86,7 +89,7 @@ class MicroBatchShape:
     max_length: int
     # DFS: per model call, (share, tokens, attended pairs): share 1 for a call with autograd, the forward
     # share of a trained token's FLOPs for a push (a forward alone), its tokens and pairs counted at it
-    dfs_call_work: tuple[tuple[float, float, float], ...] = ()
+    dfs_call_work: tuple[tuple[float, float, float], ...]
 
     @classmethod
     def of(cls, trie: RolloutTrie, block_tokens: int, token_budget: int | None = None) -> MicroBatchShape:
@@ -96,9 +99,8 @@ class MicroBatchShape:
         pack = trie.pack_on("cpu")
         _, events = walk(pack, block_tokens, packed_subtrees=True, push_blocks=PUSH_BLOCKS)
         pushed = [b for e, b in events if e == "push"]
-        keys_before = [0]  # keys_before[q]: the pairs of packed tokens before q (each sees position + 1)
-        for position in pack._cpu("position_ids").tolist():
-            keys_before.append(keys_before[-1] + position + 1)
+        # keys_before[q]: the pairs of the packed tokens before q (each sees its position + 1 keys)
+        keys_before = [0] + torch.cumsum(pack._cpu("position_ids").long() + 1, 0).tolist()
         call_work = []
         for event, b in events:
             token_share, pair_share = (FORWARD_TOKEN_SHARE, FORWARD_PAIR_SHARE) if event == "push" else (1, 1)
@@ -225,10 +227,11 @@ class CostModel:
         self.refinement = copy.deepcopy(self.refinement)
 
     def identifies(self, mode: str) -> bool:
-        """Whether ``mode``'s time is fitted to measurements that tell its parts apart: the model is
-        calibrated, or that mode's fit is ``"nnls"`` or ``"physical"`` (for dfs: its cost per model call
-        apart from its cost per token)."""
-        return self.calibrated or self.fit_info.get(mode, {}).get("method") in IDENTIFIED_FITS
+        """Whether ``mode``'s time is fitted to measurements that tell its parts apart (for dfs: its cost
+        per model call apart from its cost per token): its fit's method is one of :data:`IDENTIFIED_FITS`,
+        or, for a model built from coefficients without a record of its fits, the model is calibrated."""
+        method = self.fit_info.get(mode, {}).get("method")
+        return self.calibrated if method is None else method in IDENTIFIED_FITS
 
     def predict(self, shape: MicroBatchShape, mode: str):
         """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``: seconds are the larger of the
@@ -236,9 +239,18 @@ class CostModel:
         its calls of each call's larger term (:meth:`per_call_seconds`)."""
         host, device = self.time_terms(shape, mode)
         m = sum(a * f for a, f in zip(self.memory[mode], shape.memory_features(mode), strict=True))
-        if mode == "dfs" and self.fit_info.get("dfs", {}).get("method") == PER_CALL_FIT:
+        if self._per_call(mode):
             return max(self.host["dfs"][0], self.per_call_seconds(shape)), m
         return max(host, device), m
+
+    def _per_call(self, mode: str) -> bool:
+        return mode == "dfs" and self.fit_info.get("dfs", {}).get("method") == PER_CALL_FIT
+
+    @staticmethod
+    def _calls(shape: MicroBatchShape):
+        if not shape.dfs_call_work:
+            raise ValueError("a per-call dfs time needs the shape's dfs_call_work (MicroBatchShape.of)")
+        return shape.dfs_call_work
 
     def per_call_seconds(self, shape: MicroBatchShape) -> float:
         """A DFS walk's seconds as the sum of its calls' times, each the larger of the host's cost of a
@@ -249,11 +261,19 @@ class CostModel:
         host_call = self.host["dfs"][1]
         return c0 + sum(
             max(share * host_call, share * per_call + per_token * n + per_pair * p)
-            for share, n, p in shape.dfs_call_work
+            for share, n, p in self._calls(shape)
         )
 
     def time_terms(self, shape: MicroBatchShape, mode: str) -> tuple[float, float]:
-        """``(host, device)`` seconds of running ``shape`` in ``mode``; the time is the larger."""
+        """``(host, device)`` seconds of running ``shape`` in ``mode``: the time is the larger, except
+        for a dfs time fitted per call, where they are the host's and the device's sums over the calls
+        (each call's fixed costs at its share) and the time is :meth:`per_call_seconds`."""
+        if self._per_call(mode):
+            c0, per_token, per_pair, per_call = self.time["dfs"]
+            h0, host_call = self.host["dfs"]
+            shares = sum(share for share, _, _ in self._calls(shape))
+            _, tokens, pairs, _ = shape.time_features(mode)
+            return h0 + host_call * shares, c0 + per_call * shares + per_token * tokens + per_pair * pairs
         x = shape.time_features(mode)
         device = sum(a * f for a, f in zip(self.time[mode], x, strict=True))
         host = sum(a * f for a, f in zip(self.host[mode], (x[0], x[3]), strict=True))
@@ -306,8 +326,8 @@ class CostModel:
         model's FLOPs (:func:`~treeattn_lab.engine.time_fit.model_work`) for the plausibility check and
         the physical fallback. Modes without samples keep the prior.
 
-        The result is ``calibrated`` only where every mode's time was identified (``"nnls"`` or
-        ``"physical"``); memory is fitted where at least two samples of the mode report peak bytes.
+        The result is ``calibrated`` only where every mode's time was identified (a method of
+        :data:`IDENTIFIED_FITS`); memory is fitted where at least two samples of the mode report peak bytes.
         """
         model = cls(device=device, samples=len(samples))
         if work is not None:
@@ -423,20 +443,27 @@ class CostModel:
                 "fit_info": self.fit_info,
                 "refinement": self.refinement,
                 "host": self.host,
+                "features_version": FEATURES_VERSION,
             }
         )
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         """The model of :meth:`to_dict` (also of older files, without ``fit_info``, ``refinement`` and
-        ``host``: no host floor), checked as the constructor checks its arguments."""
+        ``host``: no host floor), checked as the constructor checks its arguments. A file written before
+        :data:`FEATURES_VERSION` fitted dfs to features that counted a recomputed token as a trained one:
+        its dfs coefficients are kept, but its dfs fit no longer counts as identified
+        (:meth:`identifies`)."""
         required = ("time", "memory", "calibrated", "samples", "device")
         missing = [k for k in required if not isinstance(data, dict) or k not in data]
         if missing:
             raise ValueError(f"not a saved CostModel: missing {missing}")
+        fit_info = copy.deepcopy(data.get("fit_info") or {})
+        if data.get("features_version") != FEATURES_VERSION:
+            fit_info["dfs"] = {**fit_info.get("dfs", {}), "method": OLDER_FEATURES_FIT}
         return cls(
             **{k: data[k] for k in required},
-            fit_info=data.get("fit_info") or {},
+            fit_info=fit_info,
             refinement=data.get("refinement"),
             host=data.get("host") or _prior()["host"],
         )

@@ -233,8 +233,12 @@ def fit_per_call(calls, b, slopes) -> tuple[list[float], list[float], dict]:
     calls (over all measurements) that the fit says wait on the host.
     """
     b = torch.as_tensor(b, dtype=torch.float64)
-    if len(calls) != b.shape[0] or not len(calls) or any(not c for c in calls):
-        raise ValueError("need one non-empty list of (tokens, pairs) per measured time")
+    if b.dim() != 1 or len(calls) != b.shape[0] or not len(calls) or any(not c for c in calls):
+        raise ValueError("need one non-empty list of (share, tokens, pairs) per measured time")
+    if not (torch.isfinite(b).all() and (b > 0).all()):
+        raise ValueError("measured times must be finite and > 0")
+    if len(slopes) != 2:
+        raise ValueError(f"slopes must be (per token, per pair), got {slopes!r}")
     per_token, per_pair = (float(x) for x in slopes)
     width = max(len(c) for c in calls)
     device = torch.zeros(len(calls), width, dtype=torch.float64)
@@ -255,12 +259,12 @@ def fit_per_call(calls, b, slopes) -> tuple[list[float], list[float], dict]:
     grid = torch.cat([torch.zeros(1, dtype=torch.float64), scale * torch.logspace(-5, 1, PER_CALL_GRID - 1,
                                                                                    dtype=torch.float64)])
     hs, cs = grid, grid
-    for _ in range(PER_CALL_ROUNDS):
+    for round_ in range(PER_CALL_ROUNDS):
         err = errors(hs, cs)
         i, j = divmod(int(err.argmin()), err.shape[1])
         h, c = float(hs[i]), float(cs[j])
-        hs = _around(h, scale)
-        cs = _around(c, scale)
+        decades = 0.3 / 3**round_  # each round a third of the last one's width around the best pair
+        hs, cs = _around(h, scale, decades), _around(c, scale, decades)
     best = errors(torch.tensor([h], dtype=torch.float64), torch.tensor([c], dtype=torch.float64))
     waiting = int(((h * share > c * share + device) & (share > 0)).sum())
     info = {"method": PER_CALL_FIT, "rel_rms_residual": float(best.sqrt()), "shapes": int(b.shape[0]),
@@ -268,9 +272,10 @@ def fit_per_call(calls, b, slopes) -> tuple[list[float], list[float], dict]:
     return [0.0, per_token, per_pair, c], [0.0, h], info
 
 
-def _around(value: float, scale: float) -> torch.Tensor:
-    """A finer grid of :data:`PER_CALL_GRID` values around ``value`` (from zero where it is zero)."""
+def _around(value: float, scale: float, decades: float) -> torch.Tensor:
+    """:data:`PER_CALL_GRID` values within ``decades`` of ``value`` on a log scale; where ``value`` is
+    zero, zero and values far below ``scale``."""
     if value == 0.0:
         return torch.cat([torch.zeros(1, dtype=torch.float64),
                           scale * torch.logspace(-7, -4, PER_CALL_GRID - 1, dtype=torch.float64)])
-    return value * torch.logspace(-0.3, 0.3, PER_CALL_GRID, dtype=torch.float64)
+    return value * torch.logspace(-decades, decades, PER_CALL_GRID, dtype=torch.float64)
