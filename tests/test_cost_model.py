@@ -820,6 +820,25 @@ def test_a_per_call_fit_refuses_walks_without_calls():
         fit_per_call([[(1.0, 10.0, 55.0)]], [0.1], (1e-5,))
 
 
+def test_a_calibration_is_refitted_from_its_recorded_timings_without_measuring(fake_device):
+    fitted = calibrate(tiny_model(), block_tokens=8, token_budget=64, progress=False, use_cache=False)
+    n = fake_device["n"]
+    saved = CostModel.from_dict(json.loads(json.dumps(fitted.to_dict())))
+    again = calibration.refit(saved)
+    assert fake_device["n"] == n  # nothing measured
+    for mode in MODES:  # the same fit, up to the rounding of the solver's floating-point sums
+        assert again.fit_info[mode]["method"] == fitted.fit_info[mode]["method"]
+        assert again.time[mode] == pytest.approx(fitted.time[mode], rel=1e-9, abs=1e-15)
+        assert again.host[mode] == pytest.approx(fitted.host[mode], rel=1e-9, abs=1e-15)
+    assert again.fit_info["calibration"] == fitted.fit_info["calibration"]
+    timings = fitted.fit_info["calibration"]["timings"]
+    dfs_blocks = {t["block_tokens"] for t in timings if t["mode"] == "dfs"}
+    assert {t["mode"] for t in timings} == set(MODES) and 8 in dfs_blocks and max(dfs_blocks) <= 64
+    assert len(dfs_blocks) >= 2  # the call's block, and the largest within the budget
+    with pytest.raises(ValueError, match="no timings"):
+        calibration.refit(CostModel())
+
+
 def test_measured_peak_memory_is_fitted(fake_device):
     fake_device["peak_bytes"] = 2**30
     fitted = calibrate(tiny_model(), **SETTINGS, progress=False, use_cache=False)

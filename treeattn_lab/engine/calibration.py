@@ -13,10 +13,13 @@ each trie in two block sizes, the call's and the largest within the budget, so t
 its cost per model call from its cost per token (``"auto"`` weighs DFS in large blocks).
 
 The fitted model is cached on disk per model architecture, device and engine settings (:func:`cache_path`).
+It records every run's seconds with the tries' design, so :func:`refit` can fit it again under a later
+version of the fit without measuring anything.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -219,7 +222,8 @@ def calibrate(
     if cached is not None:
         return cached
     vocab = model.cfg.vocab_size if hasattr(model, "cfg") else model.config.vocab_size  # TinyLM or HF
-    tries = calibration_tries(scale, vocab=vocab, seed=seed, max_length=_longest_allowed(model, scale))
+    longest = _longest_allowed(model, scale)
+    tries = calibration_tries(scale, vocab=vocab, seed=seed, max_length=longest)
     settings = {"block_tokens": block_tokens, "token_budget": token_budget}
     saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
     try:
@@ -238,6 +242,10 @@ def calibrate(
         "not_measured": names[measured:],
         "seconds": seconds,
         "stopped_by_time_limit": measured < len(names),
+        # what refit() rebuilds the samples from
+        "scale_tokens": scale, "vocab_size": vocab, "seed": seed, "max_length": longest,
+        "token_budget": token_budget,
+        "timings": [{k: sample[k] for k in TIMING_KEYS} for sample in samples],
     }
     if not fitted.calibrated:
         warnings.warn(_shortfall(fitted), stacklevel=2)
@@ -305,6 +313,38 @@ def _runs_of(trie: RolloutTrie, settings: dict) -> list[tuple[str, int]]:
     return runs
 
 
+def _sample(trie: RolloutTrie, timing: dict, token_budget: int | None) -> dict:
+    """A sample of :meth:`CostModel.fit` from one timed run of ``trie`` (``timing``: its ``mode``,
+    ``block_tokens``, ``time_s`` and ``peak_bytes``, kept beside the features)."""
+    mode = timing["mode"]
+    shape = MicroBatchShape.of(trie, timing["block_tokens"], token_budget)
+    return {
+        **timing,
+        "time_features": shape.time_features(mode),
+        "memory_features": shape.memory_features(mode),
+        "call_work": shape.dfs_call_work if mode == "dfs" else None,
+    }
+
+
+TIMING_KEYS = ("trie", "mode", "block_tokens", "time_s", "peak_bytes")
+
+
+def refit(cost_model: CostModel) -> CostModel:
+    """``cost_model`` fitted again, by this version's :meth:`CostModel.fit`, from the timings its
+    calibration recorded (``fit_info["calibration"]``: the tries' design and each run's seconds), without
+    measuring anything: the tries are rebuilt from their seed. Raises ValueError for a model whose
+    calibration recorded no timings."""
+    report = cost_model.fit_info.get("calibration", {})
+    if not report.get("timings"):
+        raise ValueError("this cost model's calibration recorded no timings to refit from (calibrate again)")
+    tries = dict(calibration_tries(report["scale_tokens"], vocab=report["vocab_size"], seed=report["seed"],
+                                   max_length=report["max_length"]))
+    samples = [_sample(tries[t["trie"]], t, report["token_budget"]) for t in report["timings"]]
+    fitted = CostModel.fit(samples, device=cost_model.device, work=cost_model.fit_info.get("work"))
+    fitted.fit_info["calibration"] = copy.deepcopy(report)
+    return fitted
+
+
 def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, progress: bool):
     """The samples of :meth:`CostModel.fit` (every mode on each trie, in order, until ``seconds`` have
     passed) and how many tries were measured."""
@@ -319,24 +359,16 @@ def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, prog
         smallest = min((t for _, t in tries), key=lambda t: sum(len(n.tokens) for n in t.nodes))
         for mode in MODES:  # warm-up, not fitted
             _run(model, smallest, mode, settings)
-        for _, trie in tries if bar is None else bar:
+        for name, trie in tries if bar is None else bar:
             if samples and time.perf_counter() - start > seconds:
                 break
             for mode, block in _runs_of(trie, settings):
                 run_settings = {**settings, "block_tokens": block}
                 once = mode == "dfs" and block == settings["block_tokens"]  # the slowest run: once
                 runs = [_run(model, trie, mode, run_settings) for _ in range(1 if once else repeats)]
-                shape = MicroBatchShape.of(trie, block, settings["token_budget"])
-                samples.append(
-                    {
-                        "mode": mode,
-                        "time_features": shape.time_features(mode),
-                        "memory_features": shape.memory_features(mode),
-                        "call_work": shape.dfs_call_work if mode == "dfs" else None,
-                        "time_s": min(t for t, _ in runs),
-                        "peak_bytes": runs[-1][1],
-                    }
-                )
+                timing = {"trie": name, "mode": mode, "block_tokens": block,
+                          "time_s": min(t for t, _ in runs), "peak_bytes": runs[-1][1]}
+                samples.append(_sample(trie, timing, settings["token_budget"]))
             measured += 1
     finally:
         if bar is not None:
