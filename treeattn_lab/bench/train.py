@@ -9,15 +9,15 @@ materialization), ``dfs-ckpt`` (dfs with the model's layers checkpointed, in blo
 micro-batch's memory, no prefix carried over a cut) and ``auto`` (the cost model, calibrated on this
 device first, picks per micro-batch among the first three, or the whole trie as one dfs walk).
 
-Reported per (set, mode): step time, throughput in flat tokens per second (the tokens a flat trainer
-would process, so modes compare directly), speed-up over flat, peak CUDA memory of the backward call
-(total, and above what was allocated before it), and the modes ``auto`` chose. Beside the token ratio
-stands the *work ratio*: the model's FLOPs over the flat rollouts (tokens and attended pairs, without
-padding) over its FLOPs over the trie, the speed-up a tree mode reaches at flat's FLOP rate with nothing
-recomputed. A precision check runs
-every mode in bf16 against fp32 flat gradients on a subset. At the end the run is checked against its
-targets (:func:`targets`): auto against flat and against the best mode, DFS memory against packed, and
-the bf16 gradient error. On a CPU a tiny model on small subsets runs the same code (``--quick``).
+Reported per (set, mode): step time, throughput in flat tokens per second (the tokens a flat trainer would
+process, so modes compare directly), speed-up over flat, peak CUDA memory of the backward call (total, and
+above what was allocated before it), and the modes ``auto`` chose. Beside the token ratio stands the *work
+ratio*: the model's FLOPs over the flat rollouts (tokens and attended pairs, without padding) over its
+FLOPs over the trie, the speed-up a tree mode reaches at flat's FLOP rate with nothing recomputed. A
+precision check runs every mode in bf16 against fp32 flat gradients on a subset. At the end the run is
+checked against its targets (:func:`targets`): auto against flat and against the best mode, DFS memory
+against packed, and the bf16 gradient error. On a CPU a tiny model on small subsets runs the same code
+(``--quick``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ limit leaves unused buys fewer, larger calls.
 
 The budget's cuts cost a packed plan the prefixes it carries over them; a walk of the whole trie in
 budget-sized blocks (under a memory limit, blocks that fit it) carries none and recomputes only the spine
-above its packed subtrees. So where the
-cost model's dfs time was fitted to measurements (it knows what a call costs) ``"auto"`` also weighs the
-whole trie as one DFS walk and runs it where that is predicted faster than the micro-batch plan.
-:func:`engine_micro_batches` is that plan, shared with the distributed balancer.
+above its packed subtrees. So where the cost model's dfs time was fitted to measurements (it knows what a
+call costs) ``"auto"`` also weighs the whole trie as one DFS walk and runs it where that is predicted
+faster than the micro-batch plan. :func:`engine_micro_batches` is that plan, shared with the distributed
+balancer.
 """
 
 from __future__ import annotations
@@ -156,13 +156,19 @@ def auto_micro_batches(
 def _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, modes):
     """The whole trie as one ``"dfs"`` micro-batch in its fastest fitting block size, with its predictions;
     None where even ``block_tokens`` is predicted over ``memory_limit``."""
-    order = trie.dfs_sequence_order()
-    mb = MicroBatch(tuple(order), trie.subtrie(order), 0, mode="dfs")  # its r-th rollout is order[r]
-    shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
-    predictions = {m: cost_model.predict(shape, m) for m in modes}
+    order = tuple(trie.dfs_sequence_order())
+    mb, predictions = _dfs_micro_batch(trie, order, 0, block_tokens, token_budget, cost_model, modes)
     if memory_limit is not None and predictions["dfs"][1] > memory_limit:
         return None
     return _fastest_fitting_block(mb, predictions, block_tokens, token_budget, cost_model, memory_limit)
+
+
+def _dfs_micro_batch(trie, sequences, carried_tokens, block_tokens, token_budget, cost_model, modes):
+    """Rollouts ``sequences`` of ``trie`` (DFS order) as one ``"dfs"`` micro-batch (its r-th rollout is
+    ``sequences[r]``), with the cost model's ``{mode: (seconds, bytes)}`` for it at ``block_tokens``."""
+    mb = MicroBatch(sequences, trie.subtrie(sequences), carried_tokens, mode="dfs")
+    shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
+    return mb, {m: cost_model.predict(shape, m) for m in modes}
 
 
 def dfs_block_ladder(block_tokens: int, tree_tokens: int, max_block: int | None = None) -> list[int]:
@@ -208,9 +214,8 @@ def _joined_dfs(trie, run, block_tokens, token_budget, cost_model, memory_limit,
 
     def join(members):
         sequences = tuple(i for mb, _ in members for i in mb.sequences)
-        mb = MicroBatch(sequences, trie.subtrie(sequences), members[0][0].carried_tokens, mode="dfs")
-        shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
-        return mb, {m: cost_model.predict(shape, m) for m in modes}
+        return _dfs_micro_batch(trie, sequences, members[0][0].carried_tokens, block_tokens, token_budget,
+                                cost_model, modes)
 
     whole = join(run)
     if fits(whole, run):

@@ -101,11 +101,14 @@ class MicroBatchShape:
         pushed = [b for e, b in events if e == "push"]
         # keys_before[q]: the pairs of the packed tokens before q (each sees its position + 1 keys)
         keys_before = [0] + torch.cumsum(pack._cpu("position_ids").long() + 1, 0).tolist()
+
+        def pairs(b) -> int:
+            return keys_before[b.end] - keys_before[b.start]
+
         call_work = []
         for event, b in events:
             token_share, pair_share = (FORWARD_TOKEN_SHARE, FORWARD_PAIR_SHARE) if event == "push" else (1, 1)
-            pairs = keys_before[b.end] - keys_before[b.start]
-            call_work.append((token_share, token_share * (b.end - b.start), pair_share * pairs))
+            call_work.append((token_share, token_share * (b.end - b.start), pair_share * pairs(b)))
         return cls(
             flat_tokens=sum(lengths),
             padded_tokens=sum(rows * n for rows, n in padded),
@@ -114,7 +117,7 @@ class MicroBatchShape:
             tree_tokens=pack.num_tokens,
             tree_pairs=pack.attended_pairs(),
             recomputed_tokens=sum(b.end - b.start for b in pushed),
-            recomputed_pairs=sum(_block_pairs(b) for b in pushed),
+            recomputed_pairs=sum(pairs(b) for b in pushed),
             dfs_calls=len(events),
             max_block=max(b.end - b.start for e, b in events if e != "push"),
             max_length=max(lengths),
@@ -141,12 +144,6 @@ class MicroBatchShape:
         if mode == "packed":
             return [1.0, self.tree_tokens, 0.0]
         return [1.0, self.max_block, self.max_length]
-
-
-def _block_pairs(block) -> int:
-    """Keys seen by a block's queries: its prefix plus itself, causally."""
-    n = block.end - block.start
-    return n * block.position + n * (n + 1) // 2
 
 
 PRIOR_PAIR_COST = 5e-4  # one attended pair costs this many tokens' worth of dense layers (0.49B model)
@@ -237,11 +234,10 @@ class CostModel:
         """``(seconds, bytes)`` predicted for running ``shape`` in ``mode``: seconds are the larger of the
         host and the device term, or for a dfs time fitted per call (:data:`PER_CALL_FIT`) the sum over
         its calls of each call's larger term (:meth:`per_call_seconds`)."""
-        host, device = self.time_terms(shape, mode)
         m = sum(a * f for a, f in zip(self.memory[mode], shape.memory_features(mode), strict=True))
         if self._per_call(mode):
             return max(self.host["dfs"][0], self.per_call_seconds(shape)), m
-        return max(host, device), m
+        return max(self.time_terms(shape, mode)), m
 
     def _per_call(self, mode: str) -> bool:
         return mode == "dfs" and self.fit_info.get("dfs", {}).get("method") == PER_CALL_FIT
@@ -339,14 +335,12 @@ class CostModel:
             A = torch.tensor([r["time_features"] for r in rows], dtype=torch.float64)
             b = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
             model.time[mode], model.host[mode], model.fit_info[mode] = fit_host_bound(A, b, work)
-            packed_slopes = model.time["packed"][1:3]
-            packed_fitted = model.fit_info.get("packed", {}).get("method") in IDENTIFIED_FITS
-            if mode == "dfs" and packed_fitted and all(r.get("call_work") for r in rows):
-                free = model.fit_info[mode]
+            if mode == "dfs" and model.identifies("packed") and all(r.get("call_work") for r in rows):
+                free = model.fit_info[mode]["rel_rms_residual"]  # kept to compare the per-call fit with
                 model.time[mode], model.host[mode], model.fit_info[mode] = fit_per_call(
-                    [r["call_work"] for r in rows], b, packed_slopes
+                    [r["call_work"] for r in rows], b, model.time["packed"][1:3]
                 )
-                model.fit_info[mode]["free_fit_rel_rms_residual"] = free["rel_rms_residual"]
+                model.fit_info[mode]["free_fit_rel_rms_residual"] = free
             mem = [r for r in rows if r.get("peak_bytes") is not None]
             model.fit_info[mode]["memory"] = "nnls" if len(mem) >= 2 else "prior"
             if len(mem) >= 2:
