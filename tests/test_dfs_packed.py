@@ -5,6 +5,8 @@ rule beside the stored prefix), exact gradients with never-written path slots po
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from tests.conftest import long_forest, orders, rollout_forests
 from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
 from treeattn_lab import RolloutTrie
 from treeattn_lab.bench import train as bench_train
+from treeattn_lab.bench.report import render_train
 from treeattn_lab.bench.step_profile import profile_step
 from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, block_attention, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
@@ -231,6 +234,28 @@ def test_a_memory_limit_that_cannot_act_stops_the_bench_before_any_work(tmp_path
     with pytest.raises(SystemExit, match="--memory-limit-gib needs .* peak memory measured.*--calibration-s"):
         run("agentic_x2")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_run_cut_short_keeps_its_rows_and_its_cost_model(tmp_path, monkeypatch):
+    steps = []
+
+    def step(model, optimizer, trie, *, mode, **kw):
+        if len(steps) == 2:
+            raise RuntimeError("cut short")
+        steps.append(mode)
+        return {"step_s": 2.0 if mode == "flat" else 0.5, "peak_gib": None, "choices": mode}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench_train, "calibrate", lambda *a, **kw: CostModel())
+    monkeypatch.setattr(bench_train, "timed_steps", step)
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench_train.main(["--quick", "--sets", "agentic", "--calibration-s", "0.5", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("train__*.json")
+    saved = json.loads(path.read_text())
+    assert saved["partial"] is True and [r["mode"] for r in saved["rows"]] == ["flat", "packed"]
+    assert [r["speedup"] for r in saved["rows"]] == [1.0, 4.0]
+    assert saved["cost_model"] == CostModel().to_dict() and "targets" not in saved
+    assert "A partial run" in "\n".join(render_train(saved))
 
 
 def test_the_checkpointed_dfs_row_runs_longer_blocks_checkpointed_and_restores_the_model():

@@ -145,7 +145,11 @@ def render_train(p: dict) -> list[str]:
         return f"{fmt(r['tokens_per_s'])} ({fmt(r['speedup'])}x){chose}"
 
     ratios = ("token_ratio", "work_ratio") if all("work_ratio" in r for r in p["rows"]) else ("token_ratio",)
-    out = model_line(p) + ["Flat tokens per second (x flat):", ""]
+    out = model_line(p)
+    if p.get("partial"):
+        out += ["A partial run: it stopped after the rows below, before its profile, precision and targets.",
+                ""]
+    out += ["Flat tokens per second (x flat):", ""]
     out += pivot(p["rows"], ("set", *ratios), "mode", throughput)
     out += ["Peak GiB:", ""] + pivot(p["rows"], ("set",), "mode", lambda g: fmt(g[0]["peak_gib"]))
     if p.get("precision"):

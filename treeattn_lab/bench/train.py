@@ -268,12 +268,13 @@ def row_settings(model, row: str, engine: dict):
 
 
 def train_rows(
-    model, optimizer, cost_model, sets, *, quick: bool, reps: int, memory_limit=None, **engine
+    model, optimizer, cost_model, sets, *, quick: bool, reps: int, memory_limit=None, on_row=None, **engine
 ) -> list[dict]:
     """One row per (set, row): the step of :func:`timed_steps`, the trie's sizes, its work ratio
     (:func:`work_ratio`) and the speed-up; rows are the engine's modes, :data:`CHECKPOINTED_DFS`,
     :data:`BUDGET_DFS` and auto. A set of :data:`LARGE_SETS` runs flat, and auto under ``memory_limit``
-    (bytes). Each row is printed as it completes."""
+    (bytes). Each row is printed as it completes, and ``on_row(rows)`` (where given) sees the rows so far
+    (each with its speed-up where its set's flat row has run)."""
     rows = []
     modes = {name: (("flat",) if name in LARGE_SETS else (*MODES, CHECKPOINTED_DFS, BUDGET_DFS)) + ("auto",)
              for name in sets}
@@ -310,10 +311,11 @@ def train_rows(
                 **r,
             }
         )
+        flat = next(x for x in rows if x["set"] == name and x["mode"] == "flat")
+        rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / flat["tokens_per_s"]
         bar.write(f"{name} {mode}: {r['step_s']:.3f} s, peak {r['peak_gib'] or 0:.1f} GiB, {r['choices']}")
-    for r in rows:
-        flat = next(x for x in rows if x["set"] == r["set"] and x["mode"] == "flat")
-        r["speedup"] = r["tokens_per_s"] / flat["tokens_per_s"]
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -397,23 +399,32 @@ def main(argv: list[str] | None = None) -> int:
             f"{ {m: cost_model.fit_info.get(m, {}).get('memory') for m in MODES} } in "
             f"{args.calibration_s:g} s: raise --calibration-s"
         )
+    env = environment()
+    name = "train-compiled-layers" if args.compile_layers else "train"
+    extra = {"dtype": str(dtype), "params": n_params, "config": cfg.__dict__, **engine}
+    extra.update(cost_model=cost_model.to_dict(), quick=quick, compile_layers=args.compile_layers)
+    extra.update(memory_limit_gib=None if limit is None else args.memory_limit_gib)
+
+    def save_partial(rows_so_far):  # a run cut short keeps its rows and its cost model; the last write wins
+        write_results(name, rows_so_far, env, directory=args.out, extra={**extra, "partial": True})
+
     rows = train_rows(
-        model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit, **engine
+        model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit,
+        on_row=save_partial, **engine
     )
     profiles = []
-    for name in args.profile:
+    for set_name in args.profile:
         for row in ("packed", *DFS_ROWS):
             with row_settings(model, row, engine) as (mode, settings):
-                trie = bench_trie(name, quick)
+                trie = bench_trie(set_name, quick)
                 step = profile_step(model, trie, mode=mode, cost_model=cost_model, **settings)
-            profiles.append({"set": name, **step, "mode": row, "block_tokens": settings["block_tokens"]})
+            profiles.append({"set": set_name, **step, "mode": row, "block_tokens": settings["block_tokens"]})
     subset = [s[:1024] for s in load_rollouts("grpo_math")[: 4 if quick else 32]]
     precision = precision_check(
         model, subset, block_tokens=engine["block_tokens"], token_budget=min(engine["token_budget"], 8192)
     )
     checks = targets(rows, precision, profiles)
 
-    env = environment()
     title = (
         f"training step, {env['device']}, {str(dtype).removeprefix('torch.')}, TinyLM {n_params / 1e9:.2f}B, "
         f"block {engine['block_tokens']}, budget {engine['token_budget']}"
@@ -427,11 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         "targets", [("target", "target"), ("value", "value"), ("goal", "goal"), ("met", "met")], checks
     )
-    extra = {"dtype": str(dtype), "params": n_params, "config": cfg.__dict__, **engine}
-    extra.update(cost_model=cost_model.to_dict(), precision=precision, targets=checks, quick=quick)
-    extra.update(profile=profiles, memory_limit_gib=None if limit is None else args.memory_limit_gib)
-    extra.update(compile_layers=args.compile_layers)
-    name = "train-compiled-layers" if args.compile_layers else "train"
+    extra.update(precision=precision, targets=checks, profile=profiles)
     path = write_results(name, rows, env, directory=args.out, extra=extra)
     print(f"wrote {path}")
     return 0
