@@ -35,12 +35,16 @@ LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float
 
 
 class ModelAdapter:
-    """What the engine knows of a model: sizes, hidden states under an engine-supplied attention, the head."""
+    """What the engine knows of a model: sizes (layers, vocabulary, query heads and their width), hidden
+    states under an engine-supplied attention, the head."""
 
-    def __init__(self, model: nn.Module, *, num_layers: int, vocab_size: int):
+    def __init__(self, model: nn.Module, *, num_layers: int, vocab_size: int, query_heads: int,
+                 head_dim: int):
         self.model = model
         self.num_layers = num_layers
         self.vocab_size = vocab_size
+        self.query_heads = query_heads
+        self.head_dim = head_dim
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention: LayerAttention):
         """Final hidden states ``[B, N, d]`` (after the last norm, before the head)."""
@@ -89,7 +93,9 @@ class TinyLMAdapter(ModelAdapter):
     ``attention(q, k, v)``; its scale is the default ``1/sqrt(head_dim)``)."""
 
     def __init__(self, model):
-        super().__init__(model, num_layers=model.cfg.n_layers, vocab_size=model.cfg.vocab_size)
+        cfg = model.cfg
+        super().__init__(model, num_layers=cfg.n_layers, vocab_size=cfg.vocab_size, query_heads=cfg.n_heads,
+                         head_dim=cfg.head_dim)
 
     def hidden(self, input_ids, position_ids, attention: LayerAttention):
         per_layer = [partial(_call_with_layer, attention, layer) for layer in range(self.num_layers)]
@@ -117,7 +123,10 @@ class HFCausalLMAdapter(ModelAdapter):
     def __init__(self, model):
         cfg = model.config
         hf_attention.check_supported_model(model)
-        super().__init__(model, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size)
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        super().__init__(model, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
+                         query_heads=heads, head_dim=head_dim)
         self.sliding_window = hf_attention.sliding_window(cfg)
         self._slot: dict | None = None
         if model not in _HEADS_CHECKED:

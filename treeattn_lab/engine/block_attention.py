@@ -38,12 +38,12 @@ from __future__ import annotations
 import torch
 
 from ..ops.fa4_rule import RuleMask, fa4_causal_attention, fa4_rule_attention, rule_sparsity
-from ..ops.fa4_tree import runs_fa4
+from ..ops.fa4_tree import fa4_takes, runs_fa4
 from ..ops.tile_census import FA4_TILE
 from .attention import prefix_tree, suffix_causal
 
-__all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule", "rule_mask",
-           "rule_tiles", "span_mask"]
+__all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule",
+           "fa4_walk_rectangle", "rule_mask", "rule_tiles", "span_mask"]
 
 # A walk runs FA4 when its mean block's ``queries x keys x query heads x head dim`` (the work of the
 # block's SDPA rectangle) is at least this: below it the step is bound by the host, which FA4's costlier
@@ -51,6 +51,15 @@ __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask",
 # (bench/results/dfs-kernels__*), which times a dfs step on each kernel.
 FA4_MIN_WALK_WORK = 3 * 2**33
 
+
+
+def fa4_walk_rectangle(query_heads: int, head_dim: int, device, dtype: torch.dtype) -> int | None:
+    """The smallest mean block ``queries x keys`` from which a walk of a model with ``query_heads`` heads
+    of ``head_dim`` runs FA4 on ``device`` in ``dtype`` (:meth:`WalkKernel.choose`); None where FA4 does
+    not run there (every walk runs SDPA)."""
+    if not fa4_takes(torch.device(device), dtype, head_dim):
+        return None
+    return -(-FA4_MIN_WALK_WORK // (query_heads * head_dim))
 
 def block_rule(subtree_end: torch.Tensor, start: int, end: int, position: int):
     """``(first, last)``, int32 ``[position + n]`` on ``subtree_end``'s device: query ``i`` of the block

@@ -36,12 +36,13 @@ from ..atomic import atomic_writer
 from ..checks import check_int
 from ..trie import RolloutTrie
 from .adapters import adapt
+from .block_attention import fa4_walk_rectangle
 from .call_plan import dfs_block_ladder
 from .cost_model import MODES, CostModel, MicroBatchShape
 from .time_fit import model_work
 from .tree_backward import tree_backward
 
-CALIBRATION_VERSION = 6  # part of the cache key: calibrations of older designs are not reused
+CALIBRATION_VERSION = 7  # part of the cache key: calibrations of older designs are not reused
 
 
 def _device_label(device: torch.device) -> str:
@@ -204,7 +205,7 @@ def calibrate(
     else 4096): calibrate at the size the engine will run. Every mode first runs once on the smallest
     trie, not fitted (kernel compilation, library start-up). Then the tries are measured in order; none
     starts after ``seconds`` (counted from the warm-up on), but at least one is measured. Each trie runs
-    every mode at ``block_tokens`` and dfs also in the largest block within the budget
+    every mode at ``block_tokens`` and dfs also in the two largest blocks within the budget
     (:func:`_runs_of`). Every run keeps the fastest of ``repeats`` (a new size can still compile a kernel
     variant), except dfs at ``block_tokens`` (several times slower), which runs once. Existing ``.grad``
     of the model's parameters are saved and restored, and the progress bar is closed, whatever happens.
@@ -233,9 +234,9 @@ def calibrate(
     finally:
         for p, g in saved.items():
             p.grad = g
-    fitted = CostModel.fit(
-        samples, device=_device_label(next(model.parameters()).device), work=model_work(model)
-    )
+    fa4_rectangle = _fa4_rectangle(model)
+    fitted = CostModel.fit(samples, device=_device_label(next(model.parameters()).device),
+                           work=model_work(model), fa4_rectangle=fa4_rectangle)
     names = [name for name, _ in tries]
     fitted.fit_info["calibration"] = {
         "measured": names[:measured],
@@ -244,7 +245,7 @@ def calibrate(
         "stopped_by_time_limit": measured < len(names),
         # what refit() rebuilds the samples from
         "scale_tokens": scale, "vocab_size": vocab, "seed": seed, "max_length": longest,
-        "token_budget": token_budget,
+        "token_budget": token_budget, "fa4_rectangle": fa4_rectangle,
         "timings": [{k: sample[k] for k in TIMING_KEYS} for sample in samples],
     }
     if not fitted.calibrated:
@@ -293,6 +294,12 @@ def _shortfall(fitted: CostModel) -> str:
     )
 
 
+def _fa4_rectangle(model) -> int | None:
+    """The mean block rectangle from which the model's dfs walks run FA4 on its device and dtype."""
+    adapter, param = adapt(model), next(model.parameters())
+    return fa4_walk_rectangle(adapter.query_heads, adapter.head_dim, param.device, param.dtype)
+
+
 def _run(model, trie: RolloutTrie, mode: str, settings: dict) -> tuple[float, int | None]:
     """One ``tree_backward`` call: its seconds and CUDA peak bytes (None on the CPU)."""
     report = tree_backward(model, trie, None, mode=mode, **settings).report
@@ -301,15 +308,16 @@ def _run(model, trie: RolloutTrie, mode: str, settings: dict) -> tuple[float, in
 
 def _runs_of(trie: RolloutTrie, settings: dict) -> list[tuple[str, int]]:
     """``(mode, block_tokens)`` of each run on ``trie``: every mode at the call's block size, and dfs also
-    in the largest block of :func:`~treeattn_lab.engine.call_plan.dfs_block_ladder` within the budget
-    (what ``"auto"`` may run it in), so the fit sees dfs's cost per call apart from its cost per token."""
+    in the two largest blocks of :func:`~treeattn_lab.engine.call_plan.dfs_block_ladder` within the
+    budget (what ``"auto"`` may run it in; the largest often holds the whole trie in one call, the one
+    below it splits the trie into a walk of several large calls), so the fit sees dfs's cost per call
+    apart from its cost per token, in the walks of small blocks and of large ones (which may run another
+    attention kernel)."""
     block, budget = settings["block_tokens"], settings["token_budget"]
     runs = [(mode, block) for mode in MODES]
     if budget is not None:
         tree_tokens = sum(len(n.tokens) for n in trie.nodes)
-        largest = dfs_block_ladder(block, tree_tokens, budget)[-1]
-        if largest != block:
-            runs.append(("dfs", largest))
+        runs += [("dfs", b) for b in dfs_block_ladder(block, tree_tokens, budget)[1:][-2:]]
     return runs
 
 
@@ -323,6 +331,7 @@ def _sample(trie: RolloutTrie, timing: dict, token_budget: int | None) -> dict:
         "time_features": shape.time_features(mode),
         "memory_features": shape.memory_features(mode),
         "call_work": shape.dfs_call_work if mode == "dfs" else None,
+        "walk_rectangle": shape.dfs_walk_rectangle,
     }
 
 
@@ -340,7 +349,8 @@ def refit(cost_model: CostModel) -> CostModel:
     tries = dict(calibration_tries(report["scale_tokens"], vocab=report["vocab_size"], seed=report["seed"],
                                    max_length=report["max_length"]))
     samples = [_sample(tries[t["trie"]], t, report["token_budget"]) for t in report["timings"]]
-    fitted = CostModel.fit(samples, device=cost_model.device, work=cost_model.fit_info.get("work"))
+    fitted = CostModel.fit(samples, device=cost_model.device, work=cost_model.fit_info.get("work"),
+                           fa4_rectangle=report.get("fa4_rectangle"))
     fitted.fit_info["calibration"] = copy.deepcopy(report)
     return fitted
 

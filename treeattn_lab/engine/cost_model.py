@@ -51,13 +51,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checks import check_int
-from ..trie import RolloutTrie
-from .dfs import PUSH_BLOCKS, walk
-from .modes import MODES, flat_chunks
+from .micro_batch_shape import MicroBatchShape
+from .modes import MODES
 from .nnls import nnls, nnls_normalized
 from .time_fit import (
-    FORWARD_PAIR_SHARE,
-    FORWARD_TOKEN_SHARE,
     HOST_FEATURES,
     PER_CALL_FIT,
     TIME_FEATURES,
@@ -71,80 +68,6 @@ IDENTIFIED_FITS = ("nnls", "physical", PER_CALL_FIT)  # time fits the measuremen
 # the time features' design, saved with a model: 2 counts a recomputed dfs token at its forward share
 FEATURES_VERSION = 2
 OLDER_FEATURES_FIT = "fitted to older features"  # the dfs method of a model saved before FEATURES_VERSION
-
-@dataclass(frozen=True)
-class MicroBatchShape:
-    """What the cost model reads of a micro-batch (computed once from its trie)."""
-
-    flat_tokens: int
-    padded_tokens: int  # flat mode: rows x longest, summed over its padded batches
-    padded_pairs: int
-    flat_batches: int
-    tree_tokens: int
-    tree_pairs: int
-    recomputed_tokens: int  # DFS: tokens of blocks with children, run once more without grad
-    recomputed_pairs: int
-    dfs_calls: int  # DFS: model calls (pushes, pops, packed spans of sibling leaves and subtrees)
-    max_block: int  # DFS: tokens of its largest call with autograd
-    max_length: int
-    # DFS: per model call, (share, tokens, attended pairs): share 1 for a call with autograd, the forward
-    # share of a trained token's FLOPs for a push (a forward alone), its tokens and pairs counted at it
-    dfs_call_work: tuple[tuple[float, float, float], ...]
-
-    @classmethod
-    def of(cls, trie: RolloutTrie, block_tokens: int, token_budget: int | None = None) -> MicroBatchShape:
-        """Read the shape off the same plans the modes execute (padded batches, DFS blocks and events)."""
-        lengths = trie.seq_lengths
-        padded = [(len(c), lengths[c[0]]) for c in flat_chunks(lengths, token_budget)]  # (rows, longest)
-        pack = trie.pack_on("cpu")
-        _, events = walk(pack, block_tokens, packed_subtrees=True, push_blocks=PUSH_BLOCKS)
-        pushed = [b for e, b in events if e == "push"]
-        # keys_before[q]: the pairs of the packed tokens before q (each sees its position + 1 keys)
-        keys_before = [0] + torch.cumsum(pack._cpu("position_ids").long() + 1, 0).tolist()
-
-        def pairs(b) -> int:
-            return keys_before[b.end] - keys_before[b.start]
-
-        call_work = []
-        for event, b in events:
-            token_share, pair_share = (FORWARD_TOKEN_SHARE, FORWARD_PAIR_SHARE) if event == "push" else (1, 1)
-            call_work.append((token_share, token_share * (b.end - b.start), pair_share * pairs(b)))
-        return cls(
-            flat_tokens=sum(lengths),
-            padded_tokens=sum(rows * n for rows, n in padded),
-            padded_pairs=sum(rows * n * (n + 1) // 2 for rows, n in padded),
-            flat_batches=len(padded),
-            tree_tokens=pack.num_tokens,
-            tree_pairs=pack.attended_pairs(),
-            recomputed_tokens=sum(b.end - b.start for b in pushed),
-            recomputed_pairs=sum(pairs(b) for b in pushed),
-            dfs_calls=len(events),
-            max_block=max(b.end - b.start for e, b in events if e != "push"),
-            max_length=max(lengths),
-            dfs_call_work=tuple(call_work),
-        )
-
-    def time_features(self, mode: str) -> list[float]:
-        if mode == "flat":
-            return [1.0, self.padded_tokens, self.padded_pairs, self.flat_batches]
-        if mode == "packed":
-            return [1.0, self.tree_tokens, self.tree_pairs, 0.0]  # its one model call is the constant
-        if mode == "dfs":
-            return [
-                1.0,
-                self.tree_tokens + FORWARD_TOKEN_SHARE * self.recomputed_tokens,
-                self.tree_pairs + FORWARD_PAIR_SHARE * self.recomputed_pairs,
-                self.dfs_calls,
-            ]
-        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
-
-    def memory_features(self, mode: str) -> list[float]:
-        if mode == "flat":
-            return [1.0, self.padded_tokens / self.flat_batches, 0.0]
-        if mode == "packed":
-            return [1.0, self.tree_tokens, 0.0]
-        return [1.0, self.max_block, self.max_length]
-
 
 PRIOR_PAIR_COST = 5e-4  # one attended pair costs this many tokens' worth of dense layers (0.49B model)
 PRIOR_TREE_PAIR_FACTOR = 1.5  # cost of a pair under tree-shaped attention, relative to flash attention
@@ -172,18 +95,19 @@ def _coefficient_table(name: str, table, width: int) -> dict[str, list[float]]:
         raise ValueError(
             f"{name} must give every mode of {MODES} and no other: missing {missing}, unknown modes {unknown}"
         )
-    out = {}
-    for mode in MODES:
-        coefs = table[mode]
-        if isinstance(coefs, (str, bytes, dict)) or not hasattr(coefs, "__len__") or len(coefs) != width:
-            raise ValueError(f"{name}[{mode!r}] must hold {width} coefficients, got {coefs!r}")
-        for j, c in enumerate(coefs):
-            if isinstance(c, bool) or not isinstance(c, numbers.Real):
-                raise TypeError(f"{name}[{mode!r}][{j}] is {c!r}; coefficients must be real numbers")
-            if not (math.isfinite(c) and c >= 0):
-                raise ValueError(f"{name}[{mode!r}][{j}] is {c!r}; coefficients must be finite and >= 0")
-        out[mode] = [float(c) for c in coefs]
-    return out
+    return {mode: _coefficients(f"{name}[{mode!r}]", table[mode], width) for mode in MODES}
+
+
+def _coefficients(name: str, coefs, width: int) -> list[float]:
+    """``coefs`` as ``width`` floats, refusing anything but finite, non-negative real numbers."""
+    if isinstance(coefs, (str, bytes, dict)) or not hasattr(coefs, "__len__") or len(coefs) != width:
+        raise ValueError(f"{name} must hold {width} coefficients, got {coefs!r}")
+    for j, c in enumerate(coefs):
+        if isinstance(c, bool) or not isinstance(c, numbers.Real):
+            raise TypeError(f"{name}[{j}] is {c!r}; coefficients must be real numbers")
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"{name}[{j}] is {c!r}; coefficients must be finite and >= 0")
+    return [float(c) for c in coefs]
 
 
 @dataclass
@@ -208,6 +132,7 @@ class CostModel:
     fit_info: dict = field(default_factory=dict)
     refinement: dict | None = None
     host: dict = field(default_factory=lambda: _prior()["host"])
+    fa4_walks: dict | None = None
 
     def __post_init__(self):
         self.time = _coefficient_table("time", self.time, len(TIME_FEATURES))
@@ -222,6 +147,14 @@ class CostModel:
             raise TypeError("fit_info must be a dict and refinement a dict or None")
         self.fit_info = copy.deepcopy(self.fit_info)
         self.refinement = copy.deepcopy(self.refinement)
+        if self.fa4_walks is not None:
+            walks = self.fa4_walks
+            if not isinstance(walks, dict) or set(walks) != {"rectangle", "time", "host"}:
+                raise ValueError("fa4_walks must be None or a dict with rectangle, time and host")
+            check_int("fa4_walks rectangle", walks["rectangle"], minimum=0)
+            self.fa4_walks = {"rectangle": walks["rectangle"],
+                              "time": _coefficients("fa4_walks time", walks["time"], len(TIME_FEATURES)),
+                              "host": _coefficients("fa4_walks host", walks["host"], len(HOST_FEATURES))}
 
     def identifies(self, mode: str) -> bool:
         """Whether ``mode``'s time is fitted to measurements that tell its parts apart (for dfs: its cost
@@ -242,6 +175,14 @@ class CostModel:
     def _per_call(self, mode: str) -> bool:
         return mode == "dfs" and self.fit_info.get("dfs", {}).get("method") == PER_CALL_FIT
 
+    def _walk_coefficients(self, shape: MicroBatchShape) -> tuple[list[float], list[float]]:
+        """The dfs ``(time, host)`` coefficients of ``shape``'s walk: :attr:`fa4_walks`' where its blocks'
+        mean rectangle makes the walk run FA4, else ``time["dfs"]`` and ``host["dfs"]``."""
+        walks = self.fa4_walks
+        if walks is not None and shape.dfs_walk_rectangle >= walks["rectangle"]:
+            return walks["time"], walks["host"]
+        return self.time["dfs"], self.host["dfs"]
+
     @staticmethod
     def _calls(shape: MicroBatchShape):
         if not shape.dfs_call_work:
@@ -253,8 +194,7 @@ class CostModel:
         call and the call's device time (the device term's constant once, then per call its cost per call,
         per token and per pair; a push's fixed costs at its forward share): a walk of short calls waits
         on the host, one of long calls on the GPU."""
-        c0, per_token, per_pair, per_call = self.time["dfs"]
-        host_call = self.host["dfs"][1]
+        (c0, per_token, per_pair, per_call), (_, host_call) = self._walk_coefficients(shape)
         return c0 + sum(
             max(share * host_call, share * per_call + per_token * n + per_pair * p)
             for share, n, p in self._calls(shape)
@@ -265,8 +205,7 @@ class CostModel:
         for a dfs time fitted per call, where they are the host's and the device's sums over the calls
         (each call's fixed costs at its share) and the time is :meth:`per_call_seconds`."""
         if self._per_call(mode):
-            c0, per_token, per_pair, per_call = self.time["dfs"]
-            h0, host_call = self.host["dfs"]
+            (c0, per_token, per_pair, per_call), (h0, host_call) = self._walk_coefficients(shape)
             shares = sum(share for share, _, _ in self._calls(shape))
             _, tokens, pairs, _ = shape.time_features(mode)
             return h0 + host_call * shares, c0 + per_call * shares + per_token * tokens + per_pair * pairs
@@ -315,12 +254,18 @@ class CostModel:
 
     # --------------------------------------------------------------------- fitting and storage
     @classmethod
-    def fit(cls, samples: list[dict], *, device: str = "any", work: dict | None = None) -> CostModel:
+    def fit(cls, samples: list[dict], *, device: str = "any", work: dict | None = None,
+            fa4_rectangle: int | None = None) -> CostModel:
         """Fit from ``samples``: dicts with ``mode``, ``time_features``, ``memory_features``, ``time_s``,
-        ``peak_bytes`` (None where unknown) and, for dfs, optionally ``call_work`` (its shape's
-        ``dfs_call_work``: then dfs is fitted per call where packed's time was identified). ``work``: the
-        model's FLOPs (:func:`~treeattn_lab.engine.time_fit.model_work`) for the plausibility check and
-        the physical fallback. Modes without samples keep the prior.
+        ``peak_bytes`` (None where unknown) and, for dfs, optionally ``call_work`` and ``walk_rectangle``
+        (its shape's ``dfs_call_work`` and ``dfs_walk_rectangle``: then dfs is fitted per call where
+        packed's time was identified). ``work``: the model's FLOPs
+        (:func:`~treeattn_lab.engine.time_fit.model_work`) for the plausibility check and the physical
+        fallback. ``fa4_rectangle``: the mean block rectangle from which a walk runs FA4
+        (:func:`~treeattn_lab.engine.block_attention.fa4_walk_rectangle`; None: no walk does). Where
+        samples fall on both sides of it, each side is fitted per call on its own, the FA4 side into
+        :attr:`fa4_walks`: the kernels differ in their cost per call and per pair. Modes without samples
+        keep the prior.
 
         The result is ``calibrated`` only where every mode's time was identified (a method of
         :data:`IDENTIFIED_FITS`); memory is fitted where at least two samples of the mode report peak bytes.
@@ -336,11 +281,7 @@ class CostModel:
             b = torch.tensor([r["time_s"] for r in rows], dtype=torch.float64)
             model.time[mode], model.host[mode], model.fit_info[mode] = fit_host_bound(A, b, work)
             if mode == "dfs" and model.identifies("packed") and all(r.get("call_work") for r in rows):
-                free = model.fit_info[mode]["rel_rms_residual"]  # kept to compare the per-call fit with
-                model.time[mode], model.host[mode], model.fit_info[mode] = fit_per_call(
-                    [r["call_work"] for r in rows], b, model.time["packed"][1:3]
-                )
-                model.fit_info[mode]["free_fit_rel_rms_residual"] = free
+                model._fit_walks(rows, fa4_rectangle)
             mem = [r for r in rows if r.get("peak_bytes") is not None]
             model.fit_info[mode]["memory"] = "nnls" if len(mem) >= 2 else "prior"
             if len(mem) >= 2:
@@ -350,6 +291,26 @@ class CostModel:
                 model.memory[mode] = (nnls(A / scale, b) / scale).tolist()
         model.calibrated = all(model.fit_info.get(m, {}).get("method") in IDENTIFIED_FITS for m in MODES)
         return model
+
+    def _fit_walks(self, rows: list[dict], fa4_rectangle: int | None) -> None:
+        """dfs per call (:meth:`fit`): the walks below ``fa4_rectangle`` into ``time["dfs"]``, those at or
+        above it into :attr:`fa4_walks`; all of them into ``time["dfs"]`` where one side has none."""
+        free = self.fit_info["dfs"]["rel_rms_residual"]  # kept to compare the per-call fit with
+        fa4 = [fa4_rectangle is not None and r.get("walk_rectangle", 0) >= fa4_rectangle for r in rows]
+        sides = [[r for r, f in zip(rows, fa4, strict=True) if f == side] for side in (False, True)]
+        sdpa_rows, fa4_rows = sides if all(sides) else (rows, [])
+        slopes = self.time["packed"][1:3]
+
+        def per_call(group):
+            times = torch.tensor([r["time_s"] for r in group], dtype=torch.float64)
+            return fit_per_call([r["call_work"] for r in group], times, slopes)
+
+        self.time["dfs"], self.host["dfs"], self.fit_info["dfs"] = per_call(sdpa_rows)
+        self.fit_info["dfs"]["free_fit_rel_rms_residual"] = free
+        if fa4_rows:
+            time, host, info = per_call(fa4_rows)
+            self.fa4_walks = {"rectangle": fa4_rectangle, "time": time, "host": host}
+            self.fit_info["dfs"]["fa4_walks"] = info
 
     def refine(self, observations) -> CostModel:
         """A copy whose time coefficients are rescaled per mode to match measured times.
@@ -385,6 +346,9 @@ class CostModel:
         refined = copy.deepcopy(self)
         refined.time = {m: [c * scales[m] for c in self.time[m]] for m in MODES}
         refined.host = {m: [c * scales[m] for c in self.host[m]] for m in MODES}
+        if self.fa4_walks is not None:
+            refined.fa4_walks = {**self.fa4_walks, **{k: [c * scales["dfs"] for c in self.fa4_walks[k]]
+                                                      for k in ("time", "host")}}
         refined.refinement = {
             "method": method,
             "scales": scales,
@@ -437,6 +401,7 @@ class CostModel:
                 "fit_info": self.fit_info,
                 "refinement": self.refinement,
                 "host": self.host,
+                "fa4_walks": self.fa4_walks,
                 "features_version": FEATURES_VERSION,
             }
         )
@@ -460,4 +425,5 @@ class CostModel:
             fit_info=fit_info,
             refinement=data.get("refinement"),
             host=data.get("host") or _prior()["host"],
+            fa4_walks=data.get("fa4_walks"),
         )
