@@ -1,6 +1,7 @@
 """A short subset of ``bench train --sets agentic`` for a lease with little device time left: the rows
-flat, packed, dfs-budget and auto (after a 20 s calibration), one warm-up and one timed step each, every
-row written to ``$OUT/exp_walk.json`` as it finishes. ``bench train`` is the full measurement."""
+flat, packed, dfs-budget and auto (after a calibration of ``$CALIBRATION_S`` seconds, default 20), one
+warm-up and one timed step each, every row written to ``$OUT/exp_walk.json`` as it finishes. ``bench
+train`` is the full measurement."""
 
 import json
 import os
@@ -42,7 +43,8 @@ def main() -> None:
 
     for row in ("flat", "packed", "dfs-budget"):
         step(row)
-    cost_model = calibrate(model, **ENGINE, seconds=20, use_cache=False, progress=False)
+    seconds = float(os.environ.get("CALIBRATION_S", 20))
+    cost_model = calibrate(model, **ENGINE, seconds=seconds, use_cache=False, progress=True)
     out["cost_model"] = cost_model.to_dict()
     plan = auto_micro_batches(trie, ENGINE["block_tokens"], ENGINE["token_budget"], cost_model)
     out["auto_plan"] = [(mb.mode, mb.block_tokens, p) for mb, p in plan]

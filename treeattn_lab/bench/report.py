@@ -152,10 +152,23 @@ def render_train(p: dict) -> list[str]:
     out += ["Flat tokens per second (x flat):", ""]
     out += pivot(p["rows"], ("set", *ratios), "mode", throughput)
     out += ["Peak GiB:", ""] + pivot(p["rows"], ("set",), "mode", lambda g: fmt(g[0]["peak_gib"]))
+    if p.get("refit"):
+        out += refit_lines(p["refit"])
     if p.get("precision"):
         out += ["bf16 gradients against fp32 flat (relative norm):", ""]
         out += records(p["precision"], ("mode", "grad_rel_err"))
     return out
+
+
+def refit_lines(refit: dict) -> list[str]:
+    """What ``auto`` plans under a run's cost model and under its timings refitted offline, per set."""
+    out = [f"Auto's plan, predicted seconds: the run's cost model against its timings refitted per attention "
+           f"kernel (FA4 from a mean block rectangle of {fmt(refit['fa4_rectangle'])}):", ""]
+    rows = [{"set": name, "model": which, "predicted s": plan["predicted_s"],
+             "plan": ", ".join(f"{c['mode']}@{c['block_tokens']}" if c["mode"] == "dfs" else c["mode"]
+                               for c in plan["micro_batches"])}
+            for name, plans in refit["plans"].items() for which, plan in plans.items()]
+    return out + records(rows, ("set", "model", "predicted s", "plan"))
 
 
 def model_line(p: dict) -> list[str]:
@@ -222,6 +235,7 @@ SECTIONS = (
             "torch.compile(fullgraph=True).",
             {"train": render_train, "rl": render_rl, "grpo-tree-": render_grpo,
              "train-compiled-layers": render_train, "train-walk-probe": render_train,
+             "train-kernel-refit": render_train,
              "dfs-kernels": render_rows, "compile": render_rows}),
     Section("Balancing a trie over ranks", "Partitioners over K ranks (simulated), and a measured "
             "data-parallel step on two GPUs.",
