@@ -248,9 +248,12 @@ def test_a_run_cut_short_keeps_its_rows_and_its_cost_model(tmp_path, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(bench_train, "calibrate", lambda *a, **kw: CostModel())
     monkeypatch.setattr(bench_train, "timed_steps", step)
+    earlier = bench_train.result_path("train", bench_train.environment(), tmp_path)
+    earlier.write_text("{}")  # a whole earlier run's result stays as it was
     with pytest.raises(RuntimeError, match="cut short"):
         bench_train.main(["--quick", "--sets", "agentic", "--calibration-s", "0.5", "--out", str(tmp_path)])
-    (path,) = tmp_path.glob("train__*.json")
+    assert earlier.read_text() == "{}"
+    (path,) = tmp_path.glob("train-partial__*.json")
     saved = json.loads(path.read_text())
     assert saved["partial"] is True and [r["mode"] for r in saved["rows"]] == ["flat", "packed"]
     assert [r["speedup"] for r in saved["rows"]] == [1.0, 4.0]

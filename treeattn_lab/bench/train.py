@@ -42,6 +42,7 @@ from .harness import (
     flat_gradient,
     positive_int,
     print_table,
+    result_path,
     synchronize,
     write_results,
 )
@@ -273,8 +274,8 @@ def train_rows(
     """One row per (set, row): the step of :func:`timed_steps`, the trie's sizes, its work ratio
     (:func:`work_ratio`) and the speed-up; rows are the engine's modes, :data:`CHECKPOINTED_DFS`,
     :data:`BUDGET_DFS` and auto. A set of :data:`LARGE_SETS` runs flat, and auto under ``memory_limit``
-    (bytes). Each row is printed as it completes, and ``on_row(rows)`` (where given) sees the rows so far
-    (each with its speed-up where its set's flat row has run)."""
+    (bytes). Each row is printed as it completes, and ``on_row(rows)`` (where given) sees the rows so far,
+    each with its speed-up (a set's flat row runs first)."""
     rows = []
     modes = {name: (("flat",) if name in LARGE_SETS else (*MODES, CHECKPOINTED_DFS, BUDGET_DFS)) + ("auto",)
              for name in sets}
@@ -405,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     extra.update(cost_model=cost_model.to_dict(), quick=quick, compile_layers=args.compile_layers)
     extra.update(memory_limit_gib=None if limit is None else args.memory_limit_gib)
 
-    def save_partial(rows_so_far):  # a run cut short keeps its rows and its cost model; the last write wins
-        write_results(name, rows_so_far, env, directory=args.out, extra={**extra, "partial": True})
+    def save_partial(rows_so_far):  # a run cut short keeps its rows and cost model beside any earlier result
+        write_results(f"{name}-partial", rows_so_far, env, directory=args.out,
+                      extra={**extra, "partial": True})
 
     rows = train_rows(
         model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit,
@@ -440,5 +442,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     extra.update(precision=precision, targets=checks, profile=profiles)
     path = write_results(name, rows, env, directory=args.out, extra=extra)
+    result_path(f"{name}-partial", env, args.out).unlink(missing_ok=True)  # the whole run replaces it
     print(f"wrote {path}")
     return 0

@@ -124,7 +124,9 @@ class HFCausalLMAdapter(ModelAdapter):
         cfg = model.config
         hf_attention.check_supported_model(model)
         heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        # a query's width: MLA models (DeepSeek-V3) give it as qk_head_dim, their head_dim is the rope part
+        head_dim = (getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
+                    or cfg.hidden_size // heads)
         super().__init__(model, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
                          query_heads=heads, head_dim=head_dim)
         self.sliding_window = hf_attention.sliding_window(cfg)

@@ -67,6 +67,7 @@ def cache_path(
     arch = hashlib.sha256(f"{type(model).__name__}|{shapes}".encode()).hexdigest()[:16]
     key = f"{type(model).__name__}-{arch}-{first.dtype}-{_device_label(first.device)}"
     key += "-checkpointed" if _gradient_checkpointing(model) else ""
+    key += f"-fa4from{_fa4_rectangle(model)}"  # FA4 installed or not: the walks' kernels differ
     key += f"-block{block_tokens}-budget{token_budget}-scale{_scale(token_budget, scale_tokens)}"
     key += f"-v{CALIBRATION_VERSION}-torch{torch.__version__}"
     safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)

@@ -21,7 +21,9 @@ host issues the next, so where calibration measured every call's work its time i
 (:meth:`CostModel.per_call_seconds`): ``sum over calls of max(host per call, c + device slopes . [tokens,
 pairs])``. A call's tokens and pairs run the same kernels as a packed micro-batch's, so the device slopes
 are packed's, and the fit finds the host's cost of a call and the device's constant per call
-(:func:`~treeattn_lab.engine.time_fit.fit_per_call`).
+(:func:`~treeattn_lab.engine.time_fit.fit_per_call`). Walks whose blocks are large enough to run FA4
+(:func:`~treeattn_lab.engine.block_attention.fa4_walk_rectangle`) cost a call differently from walks on
+SDPA, so each side gets its own two costs (:attr:`CostModel.fa4_walks`).
 
 Peak memory is ``m0 + m1 * held tokens + m2 * path tokens`` (flat holds one padded chunk, packed the
 whole micro-batch, dfs its largest call with autograd plus the K/V of the longest path).
@@ -149,10 +151,12 @@ class CostModel:
         self.refinement = copy.deepcopy(self.refinement)
         if self.fa4_walks is not None:
             walks = self.fa4_walks
-            if not isinstance(walks, dict) or set(walks) != {"rectangle", "time", "host"}:
-                raise ValueError("fa4_walks must be None or a dict with rectangle, time and host")
+            if not isinstance(walks, dict):
+                raise TypeError(f"fa4_walks must be None or a dict, got {type(walks).__name__}")
+            if set(walks) != {"rectangle", "time", "host"}:
+                raise ValueError(f"fa4_walks must hold rectangle, time and host, got {sorted(walks)}")
             check_int("fa4_walks rectangle", walks["rectangle"], minimum=0)
-            self.fa4_walks = {"rectangle": walks["rectangle"],
+            self.fa4_walks = {"rectangle": int(walks["rectangle"]),
                               "time": _coefficients("fa4_walks time", walks["time"], len(TIME_FEATURES)),
                               "host": _coefficients("fa4_walks host", walks["host"], len(HOST_FEATURES))}
 
@@ -169,7 +173,7 @@ class CostModel:
         its calls of each call's larger term (:meth:`per_call_seconds`)."""
         m = sum(a * f for a, f in zip(self.memory[mode], shape.memory_features(mode), strict=True))
         if self._per_call(mode):
-            return max(self.host["dfs"][0], self.per_call_seconds(shape)), m
+            return max(self._walk_coefficients(shape)[1][0], self.per_call_seconds(shape)), m
         return max(self.time_terms(shape, mode)), m
 
     def _per_call(self, mode: str) -> bool:
@@ -263,13 +267,14 @@ class CostModel:
         (:func:`~treeattn_lab.engine.time_fit.model_work`) for the plausibility check and the physical
         fallback. ``fa4_rectangle``: the mean block rectangle from which a walk runs FA4
         (:func:`~treeattn_lab.engine.block_attention.fa4_walk_rectangle`; None: no walk does). Where
-        samples fall on both sides of it, each side is fitted per call on its own, the FA4 side into
-        :attr:`fa4_walks`: the kernels differ in their cost per call and per pair. Modes without samples
-        keep the prior.
+        at least two samples (the per-call fit's two unknowns) fall on each side of it, each side is
+        fitted per call on its own, the FA4 side into :attr:`fa4_walks`: the kernels differ in what a call
+        costs the host and the device. Modes without samples keep the prior.
 
         The result is ``calibrated`` only where every mode's time was identified (a method of
         :data:`IDENTIFIED_FITS`); memory is fitted where at least two samples of the mode report peak bytes.
         """
+        check_int("fa4_rectangle", fa4_rectangle, minimum=0, allow_none=True)
         model = cls(device=device, samples=len(samples))
         if work is not None:
             model.fit_info["work"] = dict(work)
@@ -294,11 +299,11 @@ class CostModel:
 
     def _fit_walks(self, rows: list[dict], fa4_rectangle: int | None) -> None:
         """dfs per call (:meth:`fit`): the walks below ``fa4_rectangle`` into ``time["dfs"]``, those at or
-        above it into :attr:`fa4_walks`; all of them into ``time["dfs"]`` where one side has none."""
+        above it into :attr:`fa4_walks`; all of them into ``time["dfs"]`` where a side has fewer than two."""
         free = self.fit_info["dfs"]["rel_rms_residual"]  # kept to compare the per-call fit with
         fa4 = [fa4_rectangle is not None and r.get("walk_rectangle", 0) >= fa4_rectangle for r in rows]
         sides = [[r for r, f in zip(rows, fa4, strict=True) if f == side] for side in (False, True)]
-        sdpa_rows, fa4_rows = sides if all(sides) else (rows, [])
+        sdpa_rows, fa4_rows = sides if min(map(len, sides)) >= 2 else (rows, [])
         slopes = self.time["packed"][1:3]
 
         def per_call(group):
