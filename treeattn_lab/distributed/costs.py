@@ -135,7 +135,9 @@ class EngineCost:
 
     def surrogate(self, trie: RolloutTrie, token_budget: int | None) -> tuple[list[float], list[float]]:
         """Per-node (tree modes) or per-rollout (flat) seconds from the model's linear coefficients, for
-        the mode that the engine would pick for most of the trie's tokens."""
+        the mode that the engine would pick for most of the trie's tokens. A dfs node costs one call at the
+        cost per call of walks in small blocks (``time["dfs"]``, not :attr:`CostModel.fa4_walks`): a node
+        is a call where blocks are short."""
         mode = self.mode
         if mode == "auto":
             votes = dict.fromkeys(MODES, 0)
