@@ -123,7 +123,9 @@ class CostModel:
     time coefficients (:func:`~treeattn_lab.engine.time_fit.fit_host_bound`) and whether its memory was
     measured (``"memory"``: ``"nnls"`` or ``"prior"``), the model's FLOPs (``"work"``) and, after
     :func:`~treeattn_lab.engine.calibrate`, what it measured (``"calibration"``); ``refinement``: what
-    :meth:`refine` changed, None if never refined.
+    :meth:`refine` changed, None if never refined. ``fa4_walks``: None, or the dfs ``time`` and ``host``
+    coefficients of walks whose mean block rectangle is at least ``rectangle`` (they run FA4; the others
+    use ``time["dfs"]`` and ``host["dfs"]``).
     """
 
     time: dict = field(default_factory=lambda: _prior()["time"])
