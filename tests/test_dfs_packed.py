@@ -16,7 +16,7 @@ from tests.conftest import long_forest, orders, rollout_forests
 from tests.engine_models import CASES, assert_grads_close, flat_gradients, random_weights, tiny_lm
 from treeattn_lab import RolloutTrie
 from treeattn_lab.bench import train as bench_train
-from treeattn_lab.bench.report import render_train
+from treeattn_lab.bench.report import render_train, renderer_for
 from treeattn_lab.bench.step_profile import profile_step
 from treeattn_lab.engine import MODES, CostModel, MicroBatchShape, block_attention, tree_backward
 from treeattn_lab.engine import dfs as engine_dfs
@@ -256,6 +256,7 @@ def test_a_run_cut_short_keeps_its_rows_and_its_cost_model(tmp_path, monkeypatch
     (path,) = tmp_path.glob("train-partial__*.json")
     saved = json.loads(path.read_text())
     assert saved["partial"] is True and [r["mode"] for r in saved["rows"]] == ["flat", "packed"]
+    assert renderer_for(saved["bench"])[2] is render_train  # the results document renders it as a run
     assert [r["speedup"] for r in saved["rows"]] == [1.0, 4.0]
     assert saved["cost_model"] == CostModel().to_dict() and "targets" not in saved
     assert "A partial run" in "\n".join(render_train(saved))

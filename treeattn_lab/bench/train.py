@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save_partial(rows_so_far):  # a run cut short keeps its rows and cost model beside any earlier result
         write_results(f"{name}-partial", rows_so_far, env, directory=args.out,
-                      extra={**extra, "partial": True})
+                      extra={**extra, "bench": name, "partial": True})  # rendered as its bench
 
     rows = train_rows(
         model, optimizer, cost_model, args.sets, quick=quick, reps=args.reps, memory_limit=limit,

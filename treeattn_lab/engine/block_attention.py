@@ -52,7 +52,6 @@ __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask",
 FA4_MIN_WALK_WORK = 3 * 2**33
 
 
-
 def fa4_walk_rectangle(query_heads: int, head_dim: int, device, dtype: torch.dtype) -> int | None:
     """The smallest mean block ``queries x keys`` from which a walk of a model with ``query_heads`` heads
     of ``head_dim`` runs FA4 on ``device`` in ``dtype`` (:meth:`WalkKernel.choose`); None where FA4 does
@@ -60,6 +59,7 @@ def fa4_walk_rectangle(query_heads: int, head_dim: int, device, dtype: torch.dty
     if not fa4_takes(torch.device(device), dtype, head_dim):
         return None
     return -(-FA4_MIN_WALK_WORK // (query_heads * head_dim))
+
 
 def block_rule(subtree_end: torch.Tensor, start: int, end: int, position: int):
     """``(first, last)``, int32 ``[position + n]`` on ``subtree_end``'s device: query ``i`` of the block
