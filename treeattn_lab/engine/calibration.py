@@ -204,9 +204,10 @@ def calibrate(
 
     ``scale_tokens``: tree tokens of the largest synthetic trie (default and at most ``token_budget``,
     else 4096): calibrate at the size the engine will run. Every mode first runs once on the smallest
-    trie, not fitted (kernel compilation, library start-up). Then the tries are measured in order; none
-    starts after ``seconds`` (counted from the warm-up on), but at least one is measured. Each trie runs
-    every mode at ``block_tokens`` and dfs also in the two largest blocks within the budget
+    trie, and dfs once in a walk that runs FA4 where one would (:func:`_warm_up_runs`), not fitted: kernel
+    compilation and library start-up take tens of seconds on a cold GPU. Then the tries are measured in
+    order; none starts once ``seconds`` have passed since the warm-up ended, but at least one is measured.
+    Each trie runs every mode at ``block_tokens`` and dfs also in the two largest blocks within the budget
     (:func:`_runs_of`). Every run keeps the fastest of ``repeats`` (a new size can still compile a kernel
     variant), except dfs at ``block_tokens`` (several times slower), which runs once. Existing ``.grad``
     of the model's parameters are saved and restored, and the progress bar is closed, whatever happens.
@@ -227,15 +228,14 @@ def calibrate(
     longest = _longest_allowed(model, scale)
     tries = calibration_tries(scale, vocab=vocab, seed=seed, max_length=longest)
     settings = {"block_tokens": block_tokens, "token_budget": token_budget}
+    fa4_rectangle = _fa4_rectangle(model)
     saved = {p: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
     try:
-        samples, measured = _measure(
-            model, tries, settings, seconds=seconds, repeats=repeats, progress=progress
-        )
+        samples, measured = _measure(model, tries, settings, seconds=seconds, repeats=repeats,
+                                     progress=progress, fa4_rectangle=fa4_rectangle)
     finally:
         for p, g in saved.items():
             p.grad = g
-    fa4_rectangle = _fa4_rectangle(model)
     fitted = CostModel.fit(samples, device=_device_label(next(model.parameters()).device),
                            work=model_work(model), fa4_rectangle=fa4_rectangle)
     names = [name for name, _ in tries]
@@ -356,9 +356,26 @@ def refit(cost_model: CostModel) -> CostModel:
     return fitted
 
 
-def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, progress: bool):
+def _warm_up_runs(tries, settings: dict, fa4_rectangle: int | None) -> list[tuple[RolloutTrie, str, int]]:
+    """``(trie, mode, block_tokens)`` of the warm-up: every run of :func:`_runs_of` on the smallest trie,
+    and, where walks of large enough blocks run FA4 (``fa4_rectangle``), dfs in the largest block of the
+    smallest trie whose walk there does (its kernels compile on first use, and the smallest trie's walks
+    are often too small to reach them)."""
+    by_size = sorted((t for _, t in tries), key=lambda t: sum(len(n.tokens) for n in t.nodes))
+    runs = [(by_size[0], mode, block) for mode, block in _runs_of(by_size[0], settings)]
+    if fa4_rectangle is not None:
+        for trie in by_size:
+            block = max(b for m, b in _runs_of(trie, settings) if m == "dfs")
+            if MicroBatchShape.of(trie, block, settings["token_budget"]).dfs_walk_rectangle >= fa4_rectangle:
+                runs.append((trie, "dfs", block))
+                break
+    return runs
+
+
+def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, progress: bool,
+             fa4_rectangle: int | None):
     """The samples of :meth:`CostModel.fit` (every mode on each trie, in order, until ``seconds`` have
-    passed) and how many tries were measured."""
+    passed since the warm-up) and how many tries were measured."""
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -366,10 +383,9 @@ def _measure(model, tries, settings: dict, *, seconds: float, repeats: int, prog
         bar = tqdm(tries, desc="calibrating cost model", leave=False)
     samples, measured = [], 0
     try:
+        for trie, mode, block in _warm_up_runs(tries, settings, fa4_rectangle):  # not fitted
+            _run(model, trie, mode, {**settings, "block_tokens": block})
         start = time.perf_counter()
-        smallest = min((t for _, t in tries), key=lambda t: sum(len(n.tokens) for n in t.nodes))
-        for mode in MODES:  # warm-up, not fitted
-            _run(model, smallest, mode, settings)
         for name, trie in tries if bar is None else bar:
             if samples and time.perf_counter() - start > seconds:
                 break
