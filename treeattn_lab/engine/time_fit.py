@@ -82,7 +82,8 @@ def model_work(model: nn.Module) -> dict:
     layers = _first_attr(cfg, "n_layers", "num_hidden_layers")
     heads = _first_attr(cfg, "n_heads", "num_attention_heads")
     width = _first_attr(cfg, "dim", "hidden_size")
-    head_dim = _first_attr(cfg, "head_dim") or (width // heads if width and heads else None)
+    # a query's width (MLA configs give it as qk_head_dim; their head_dim is the rope part alone)
+    head_dim = _first_attr(cfg, "qk_head_dim", "head_dim") or (width // heads if width and heads else None)
     if layers and heads and head_dim:
         per_pair = float(PAIR_FLOPS_PER_CHANNEL * heads * head_dim * layers)
     else:
