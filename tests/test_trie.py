@@ -535,7 +535,8 @@ def test_subtrie_is_the_trie_of_those_sequences(seqs, rng):
     trie = RolloutTrie.from_sequences(seqs)
     dfs_order = [i for node in trie.preorder() for i in trie.nodes[node].ends]
     some = rng.sample(range(len(seqs)), rng.randint(1, len(seqs)))
-    for indices in (dfs_order, some, dfs_order[: max(1, len(seqs) // 2)]):
+    middle = dfs_order[len(seqs) // 3 : max(len(seqs) // 3 + 1, 2 * len(seqs) // 3)]
+    for indices in (dfs_order, some, dfs_order[: max(1, len(seqs) // 2)], middle, some + some[:2]):
         sub = trie.subtrie(indices)
         assert sub == RolloutTrie.from_sequences([seqs[i] for i in indices])
         assert sub.seq_lengths == [len(seqs[i]) for i in indices]

@@ -15,7 +15,6 @@ Node 0 is the root: it holds no tokens. Every other node holds at least one toke
 from __future__ import annotations
 
 import json
-import operator
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import torch
 
 from .atomic import atomic_writer
 from .pack import TreePack
+from .token_ids import as_integer, rollout_token_ids, token_ids
 from .unpad import unpad
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,45 +49,6 @@ class TrieNode:
     def end_depth(self) -> int:
         """Length of the prefix spelled by the path up to and including this node."""
         return self.depth + len(self.tokens)
-
-
-def _token_ids(seq, what: str) -> list[int]:
-    """Validate the token ids of ``what`` ("sequence 3", "node 5") and return them as a list of Python
-    ints (never mutating the input); empty is allowed here."""
-    if isinstance(seq, torch.Tensor):
-        if seq.dim() != 1:
-            raise ValueError(f"{what} is a {seq.dim()}-D tensor; expected a 1-D integer tensor")
-        if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
-            raise TypeError(f"{what} has dtype {seq.dtype}; token ids must be an integer dtype")
-        tokens = seq.detach().cpu().tolist()
-    elif isinstance(seq, (str, bytes)) or not isinstance(seq, Iterable):
-        raise TypeError(f"{what} is a {type(seq).__name__}; expected a list of ints or a 1-D integer tensor")
-    elif isinstance(seq, list) and all(type(t) is int for t in seq):  # plain ints: nothing to convert
-        tokens = list(seq)
-    else:
-        tokens = [_integer(t, f"{what} holds", "token ids") for t in seq]
-    if tokens and not (min(tokens) >= 0 and max(tokens) < 2**63):
-        bad = next(t for t in tokens if not 0 <= t < 2**63)
-        raise ValueError(f"{what} holds the token id {bad}; ids must lie in [0, 2**63) (int64)")
-    return tokens
-
-
-def _integer(value, context: str, kind: str) -> int:
-    """``value`` as a Python int; ints and numpy integers pass, bools, floats and strings do not."""
-    if not isinstance(value, bool) and hasattr(value, "__index__"):
-        try:
-            return operator.index(value)
-        except TypeError:  # e.g. a float 0-D tensor, which has __index__ but refuses it
-            pass
-    raise TypeError(f"{context} {value!r} of type {type(value).__name__}; {kind} must be integers")
-
-
-def _as_token_list(seq, index: int) -> list[int]:
-    """One rollout's token ids (at least one) as a list of Python ints."""
-    tokens = _token_ids(seq, f"sequence {index}")
-    if len(tokens) == 0:
-        raise ValueError(f"sequence {index} is empty; every rollout needs at least one token")
-    return tokens
 
 
 class RolloutTrie:
@@ -120,7 +81,7 @@ class RolloutTrie:
             seqs = list(seqs.unbind(0))
         if isinstance(seqs, (str, bytes)) or not isinstance(seqs, Iterable):
             raise TypeError(f"seqs must be a sequence of rollouts, got {type(seqs).__name__}")
-        token_lists = [_as_token_list(s, i) for i, s in enumerate(seqs)]
+        token_lists = [rollout_token_ids(s, i) for i, s in enumerate(seqs)]
         if not token_lists:
             raise ValueError("no sequences given: a trie needs at least one rollout")
         nodes = [TrieNode(tokens=[], parent=-1, depth=0)]
@@ -190,19 +151,38 @@ class RolloutTrie:
         return [i for node in self.preorder() for i in self.nodes[node].ends]
 
     def subtrie(self, indices: Sequence[int]) -> RolloutTrie:
-        """The trie of sequences ``indices`` in that order, as :meth:`from_sequences` builds it from them.
-        For every sequence in :meth:`dfs_sequence_order` that trie has these very nodes (each child first
-        reached in its place among its siblings): this trie's nodes, sequences renumbered, no token
-        inserted again."""
+        """The trie of sequences ``indices`` in that order, exactly as :meth:`from_sequences` builds it from
+        them, read off this trie's nodes without inserting a token again: the nodes on their paths, each
+        node's children in the order the sequences first reach them, and every chain that the chosen
+        sequences neither end on nor branch from merged into one node (so it costs the paths' nodes, not
+        the rollouts' tokens)."""
         indices = list(indices)
-        if indices != self.dfs_sequence_order():
-            return RolloutTrie.from_sequences([self.sequence(i) for i in indices])
-        new_index = {old: new for new, old in enumerate(indices)}
-        nodes = [
-            TrieNode(list(n.tokens), n.parent, n.depth, list(n.children), sorted(map(new_index.get, n.ends)))
-            for n in self.nodes
-        ]
-        return RolloutTrie(nodes, [self.seq_end_node[i] for i in indices])
+        children: dict[int, list[int]] = {}  # old node -> its children on chosen paths, first reached first
+        ends: dict[int, list[int]] = {}  # old node -> the new indices of the chosen sequences ending there
+        reached: set[int] = set()
+        for new, old in enumerate(indices):
+            parent = ROOT
+            for node in self.path(self.seq_end_node[old]):
+                if node not in reached:
+                    reached.add(node)
+                    children.setdefault(parent, []).append(node)
+                parent = node
+            ends.setdefault(parent, []).append(new)
+        nodes, seq_end_node = [TrieNode([], -1, 0)], [0] * len(indices)
+        stack = [(child, ROOT) for child in reversed(children.get(ROOT, []))]
+        while stack:  # preorder, merging each chain into its first node
+            old, parent = stack.pop()
+            tokens, depth = list(self.nodes[old].tokens), self.nodes[old].depth
+            while old not in ends and len(children[old]) == 1:
+                old = children[old][0]
+                tokens += self.nodes[old].tokens
+            node_id = len(nodes)
+            nodes.append(TrieNode(tokens, parent, depth, ends=ends.get(old, [])))
+            nodes[parent].children.append(node_id)
+            for i in nodes[-1].ends:
+                seq_end_node[i] = node_id
+            stack.extend((child, node_id) for child in reversed(children.get(old, [])))
+        return RolloutTrie(nodes, seq_end_node)
 
     def subtree_tokens(self) -> list[int]:
         """Tokens stored in each node's subtree (node included)."""
@@ -356,7 +336,7 @@ class RolloutTrie:
             raise TypeError(f"seq_end_node must be a list of node ids, got {type(ends).__name__}")
         if not ends:
             raise ValueError("no sequences given: a trie needs at least one rollout")
-        seq_end_node = [_integer(n, f"sequence {i} ends at", "node ids") for i, n in enumerate(ends)]
+        seq_end_node = [as_integer(n, f"sequence {i} ends at", "node ids") for i, n in enumerate(ends)]
         for i, n in enumerate(seq_end_node):
             if not (0 < n < len(nodes)):
                 raise ValueError(f"sequence {i} ends at unknown node {n}")
@@ -398,10 +378,10 @@ def _nodes_from_dict(raw) -> list[TrieNode]:
         raise ValueError("a saved trie must start with the empty root node")
     nodes = [TrieNode(tokens=[], parent=-1, depth=0)]
     for i, rn in enumerate(raw[1:], start=1):
-        parent = _integer(rn["parent"], f"node {i} names parent", "node ids")
+        parent = as_integer(rn["parent"], f"node {i} names parent", "node ids")
         if not (0 <= parent < i):
             raise ValueError(f"node {i} names parent {parent}; parents must come before children")
-        tokens = _token_ids(rn["tokens"], f"node {i}")
+        tokens = token_ids(rn["tokens"], f"node {i}")
         if not tokens:
             raise ValueError(f"node {i} holds no tokens")
         nodes.append(TrieNode(tokens=tokens, parent=parent, depth=nodes[parent].end_depth))

@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from ..checks import check_in_range, check_int
 from ..engine.adapters import adapt
 from ..engine.attention import causal
-from ..trie import RolloutTrie, _as_token_list, _token_ids
+from ..token_ids import rollout_token_ids, token_ids
+from ..trie import RolloutTrie
 
 Environment = Callable[[int, list[int]], Sequence[int]]
 
@@ -287,7 +288,7 @@ def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
         raise TypeError("prompts must be a list of token-id lists (or of 1-D integer tensors)")
     if not prompts:
         raise ValueError("prompts is empty: give at least one prompt")
-    out = [_as_token_list(p, i) for i, p in enumerate(prompts)]
+    out = [rollout_token_ids(p, i) for i, p in enumerate(prompts)]
     for i, p in enumerate(out):
         if max(p) >= vocab_size:
             raise ValueError(f"prompt {i} holds the token id {max(p)}; the model's vocabulary: {vocab_size}")
@@ -381,7 +382,7 @@ def _run_turns(decoder: _Decoder, max_new_tokens: int, forks, environment, eos, 
 
 def _observation(environment, prompt_index: int, tokens: list[int], vocab_size: int) -> list[int]:
     """The environment's reply to one rollout, checked: token ids inside the vocabulary (possibly none)."""
-    reply = _token_ids(environment(prompt_index, list(tokens)), f"the observation for prompt {prompt_index}")
+    reply = token_ids(environment(prompt_index, list(tokens)), f"the observation for prompt {prompt_index}")
     if reply and max(reply) >= vocab_size:
         raise ValueError(f"the environment returned the token id {max(reply)}; vocabulary {vocab_size}")
     return reply
