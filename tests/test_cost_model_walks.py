@@ -9,7 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tests.conftest import rollout_forests
 from tests.test_cost_model import (  # noqa: F401  (fake_device is a fixture)
     DEVICE_PER_CALL,
     HOST_PER_CALL,
@@ -30,6 +33,7 @@ from treeattn_lab.engine import (
 from treeattn_lab.engine import dfs as engine_dfs
 from treeattn_lab.engine.adapters import adapt
 from treeattn_lab.engine.block_attention import WalkKernel, fa4_walk_rectangle
+from treeattn_lab.engine.time_fit import FORWARD_PAIR_SHARE, FORWARD_TOKEN_SHARE
 
 # per call (host, device constant) of walks that run SDPA and of walks whose blocks are large enough for FA4
 KERNEL_PER_CALL = {"sdpa": (HOST_PER_CALL, DEVICE_PER_CALL), "fa4": (4e-5, 2e-5)}
@@ -167,3 +171,24 @@ def test_the_calibration_cache_tells_apart_a_machine_where_walks_run_fa4(monkeyp
 def test_cost_model_refuses_bad_fa4_walks(walks, match):
     with pytest.raises(ValueError, match=match):
         CostModel(fa4_walks=walks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rollout_forests(), st.integers(1, 12))
+def test_a_walks_blocks_and_call_work_are_read_off_every_packed_token(seqs, block_tokens):
+    trie = RolloutTrie.from_sequences(seqs)
+    pack = trie.pack()
+    positions = pack.position_ids.tolist()
+    for block in engine_dfs.split_blocks(pack, block_tokens, packed_subtrees=True):
+        assert block.position == positions[block.start]  # the position of the block's first token
+    shape = MicroBatchShape.of(trie, block_tokens)
+    _, events = engine_dfs.walk(pack, block_tokens, packed_subtrees=True)
+    events = engine_dfs.merge_pushes(events, engine_dfs.PUSH_BLOCKS * block_tokens)
+    expected = []
+    for event, b in events:  # every token of the call attends its position + 1 keys
+        token, pair = (FORWARD_TOKEN_SHARE, FORWARD_PAIR_SHARE) if event == "push" else (1, 1)
+        keys = sum(p + 1 for p in positions[b.start : b.end])
+        expected.append((token, token * (b.end - b.start), pair * keys))
+    assert len(shape.dfs_call_work) == len(expected)
+    for work, want in zip(shape.dfs_call_work, expected, strict=True):
+        assert work == pytest.approx(want)

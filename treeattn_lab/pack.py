@@ -16,11 +16,21 @@ of sibling branches never see each other. That single int32 vector replaces a T 
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import torch
 
 from .patterns.tree import tree_visibility
+
+
+def int64(values: Iterable[int]) -> torch.Tensor:
+    """An int64 CPU tensor of Python ints, converted in C (through an int64 array) rather than one object
+    at a time as ``torch.tensor`` of a list converts them."""
+    buffer = array("q", values)
+    return torch.frombuffer(buffer, dtype=torch.int64) if buffer else torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,37 +69,37 @@ class TreePack:
         data model's imports run one way, ``trie.py`` -> ``pack.py``.
         """
         order_ids = trie.preorder(order)
-        n_nodes = len(trie.nodes)
-        node_start = [0] * n_nodes
-        node_end = [0] * n_nodes
-        ids, pos, nid = [], [], []
-        for node in order_ids:
-            tok = trie.nodes[node].tokens
-            node_start[node] = len(ids)
-            ids.extend(tok)
-            d = trie.nodes[node].depth
-            pos.extend(range(d, d + len(tok)))
-            nid.extend([node] * len(tok))
-            node_end[node] = len(ids)
+        nodes = trie.nodes
+        # per node in preorder: its token count, and where its tokens start in the pack
+        lengths = int64([len(nodes[n].tokens) for n in order_ids])
+        starts = torch.cumsum(lengths, 0) - lengths
+        node_start = torch.zeros(len(nodes), dtype=torch.int64)
+        order_t = int64(order_ids)
+        node_start[order_t] = starts
+        node_end = node_start.clone()
+        node_end[order_t] = starts + lengths
+        # a token's position: its node's depth plus its index in the node
+        offsets = starts - int64([nodes[n].depth for n in order_ids])
+        positions = torch.arange(int(lengths.sum())) - offsets.repeat_interleave(lengths)
+        node_id = order_t.repeat_interleave(lengths)
         # subtree end: children come after their parent in preorder, so a reverse sweep suffices
-        sub_end = list(node_end)
+        sub_end = node_end.tolist()
         for node in reversed(order_ids):
-            p = trie.nodes[node].parent
+            p = nodes[node].parent
             if p >= 0:
                 sub_end[p] = max(sub_end[p], sub_end[node])
-        node_sub_end = torch.tensor(sub_end, dtype=torch.int64)
-        node_id = torch.tensor(nid, dtype=torch.int64)
+        node_sub_end = int64(sub_end)
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            position_ids=torch.tensor(pos, dtype=torch.int64),
+            input_ids=int64(chain.from_iterable(nodes[n].tokens for n in order_ids)),
+            position_ids=positions,
             node_id=node_id,
             subtree_end=node_sub_end[node_id].to(torch.int32),
-            node_start=torch.tensor(node_start, dtype=torch.int64),
-            node_end=torch.tensor(node_end, dtype=torch.int64),
+            node_start=node_start,
+            node_end=node_end,
             node_subtree_end=node_sub_end,
-            node_parent=torch.tensor([n.parent for n in trie.nodes], dtype=torch.int64),
-            seq_lengths=torch.tensor(trie.seq_lengths, dtype=torch.int64),
-            seq_end_node=torch.tensor(trie.seq_end_node, dtype=torch.int64),
+            node_parent=int64([n.parent for n in nodes]),
+            seq_lengths=int64(trie.seq_lengths),
+            seq_end_node=int64(trie.seq_end_node),
         )
 
     # ------------------------------------------------------------------ sizes

@@ -68,7 +68,9 @@ def split_blocks(pack, block_tokens: int, *, packed_subtrees: bool = False) -> l
     the walk: its subtree is inside it)."""
     start, end = pack._cpu("node_start").tolist(), pack._cpu("node_end").tolist()
     sub_end, parent = pack._cpu("node_subtree_end").tolist(), pack._cpu("node_parent").tolist()
-    positions = pack._cpu("position_ids").tolist()
+    positions = pack._cpu("position_ids")
+    # a node's depth is its first token's position (the root, with none, is never a block)
+    depth = positions[pack._cpu("node_start").clamp(max=positions.numel() - 1)].tolist()
     has_kids = [False] * len(start)
     for p in parent[1:]:
         has_kids[p] = True
@@ -81,13 +83,13 @@ def split_blocks(pack, block_tokens: int, *, packed_subtrees: bool = False) -> l
             continue
         above = last_block[parent[node]]
         if packed_subtrees and has_kids[node] and sub_end[node] - start[node] <= block_tokens:
-            blocks.append(Block(start[node], sub_end[node], positions[start[node]], above, False, tree=True))
+            blocks.append(Block(start[node], sub_end[node], depth[node], above, False, tree=True))
             covered = sub_end[node]
             continue
         for a in range(start[node], end[node], block_tokens):
             b = min(a + block_tokens, end[node])
             chained = b < end[node]
-            blocks.append(Block(a, b, positions[a], above, chained or has_kids[node]))
+            blocks.append(Block(a, b, depth[node] + a - start[node], above, chained or has_kids[node]))
             above = len(blocks) - 1
         last_block[node] = above
     return blocks

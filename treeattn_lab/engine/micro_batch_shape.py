@@ -47,8 +47,11 @@ class MicroBatchShape:
         rectangle = walk_kernel(events).mean_rectangle  # read before pushes merge, as the engine does
         events = merge_pushes(events, PUSH_BLOCKS * block_tokens)
         pushed = [b for e, b in events if e == "push"]
-        # keys_before[q]: the pairs of the packed tokens before q (each sees its position + 1 keys)
-        keys_before = [0] + torch.cumsum(pack._cpu("position_ids").long() + 1, 0).tolist()
+        # keys_before[q]: the pairs of the packed tokens before q (each sees its position + 1 keys), read
+        # at the blocks' bounds only
+        keys = torch.cumsum(pack._cpu("position_ids").long() + 1, 0)
+        bounds = sorted({q for _, b in events for q in (b.start, b.end)})
+        keys_before = dict(zip(bounds, (torch.cat([keys.new_zeros(1), keys])[bounds]).tolist(), strict=True))
 
         def pairs(b) -> int:
             return keys_before[b.end] - keys_before[b.start]
