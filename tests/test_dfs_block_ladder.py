@@ -221,3 +221,16 @@ def test_under_a_memory_limit_the_walk_must_fit_it():
     ((walk, predicted),) = auto_micro_batches(trie, BLOCK, budget, cost_model, memory_limit=1000.0)
     assert walk.mode == "dfs" and walk.sequences == tuple(trie.dfs_sequence_order())
     assert 500 < predicted["dfs"][1] <= 1000
+
+
+def test_plans_of_one_trie_share_their_micro_batch_tries_and_packs():
+    seqs, budget = cut_prompts(), 64
+    trie = RolloutTrie.from_sequences(seqs)
+    for cost_model in (walk_model(per_call=1.0), walk_model(per_call=0.0)):  # cut, then walked
+        first = auto_micro_batches(trie, BLOCK, budget, cost_model)
+        again = auto_micro_batches(trie, BLOCK, budget, cost_model)
+        assert [mb.trie for mb, _ in first] == [mb.trie for mb, _ in again]
+        assert all(a.trie is b.trie for (a, _), (b, _) in zip(first, again, strict=True))
+        for mb, _ in first:
+            assert mb.trie == RolloutTrie.from_sequences([seqs[i] for i in mb.sequences])
+            assert mb.trie.pack_on("cpu") is mb.trie.pack_on("cpu")

@@ -33,7 +33,7 @@ from ..checks import check_int
 from ..trie import RolloutTrie
 from .adapters import ModelAdapter, adapt
 from .cost_model import CostModel, MicroBatchShape
-from .microbatch import MicroBatch, plan_micro_batches
+from .microbatch import MicroBatch, micro_batch_trie, plan_micro_batches
 from .modes import MODES
 
 
@@ -166,7 +166,7 @@ def _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, mode
 def _dfs_micro_batch(trie, sequences, carried_tokens, block_tokens, token_budget, cost_model, modes):
     """Rollouts ``sequences`` of ``trie`` (DFS order) as one ``"dfs"`` micro-batch (its r-th rollout is
     ``sequences[r]``), with the cost model's ``{mode: (seconds, bytes)}`` for it at ``block_tokens``."""
-    mb = MicroBatch(sequences, trie.subtrie(sequences), carried_tokens, mode="dfs")
+    mb = MicroBatch(sequences, micro_batch_trie(trie, tuple(sequences)), carried_tokens, mode="dfs")
     shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
     return mb, {m: cost_model.predict(shape, m) for m in modes}
 

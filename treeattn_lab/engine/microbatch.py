@@ -62,6 +62,13 @@ class MicroBatch:
         return sum(len(n.tokens) for n in self.trie.nodes)
 
 
+def micro_batch_trie(trie: RolloutTrie, sequences: tuple[int, ...]) -> RolloutTrie:
+    """The trie of rollouts ``sequences`` of ``trie``, built once per trie: every plan and pass over the
+    same rollouts (the log-prob passes and the training step of one RL step) that runs this micro-batch
+    shares it, and with it its packs and what is cached on them."""
+    return trie.cached(("micro_batch_trie", sequences), lambda: trie.subtrie(sequences))
+
+
 def _pairs(lo: int, hi: int) -> int:
     """Attended pairs of positions ``lo .. hi - 1`` of a rollout (position p attends p + 1 keys)."""
     return (hi * (hi + 1) - lo * (lo + 1)) // 2
@@ -155,6 +162,6 @@ def _cut(trie: RolloutTrie, token_budget: int | None, seconds) -> list[MicroBatc
         starts = _cheapest_starts(lengths, shared, token_budget, seconds)
     bounds = starts + [len(order)]
     return [
-        MicroBatch(tuple(order[a:b]), trie.subtrie(order[a:b]), shared[a])
+        MicroBatch(tuple(order[a:b]), micro_batch_trie(trie, tuple(order[a:b])), shared[a])
         for a, b in pairwise(bounds)
     ]
