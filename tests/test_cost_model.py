@@ -302,11 +302,13 @@ def test_model_work_counts_matmuls_and_attended_pairs():
     assert work["known"]
 
 
-def test_model_work_takes_an_mla_query_width_not_its_rope_part():
+def test_model_work_takes_an_mla_query_and_value_width_not_its_rope_part():
     model = torch.nn.Linear(4, 4)
     model.config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=3, hidden_size=48,
                                    head_dim=16, qk_head_dim=48)  # 16 rope + 32 nope channels per query
     assert model_work(model)["flops_per_pair"] == 14 * 3 * 48 * 2
+    model.config.v_head_dim = 32  # Q.K over 48 channels, P.V over 32
+    assert model_work(model)["flops_per_pair"] == 14 * 3 * 40 * 2
     model.config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=3, hidden_size=48, head_dim=8)
     assert model_work(model)["flops_per_pair"] == 14 * 3 * 8 * 2
 

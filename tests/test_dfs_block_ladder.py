@@ -19,7 +19,7 @@ from tests.test_engine_objectives import PerRollout, rollout_data
 from treeattn_lab import RolloutTrie
 from treeattn_lab.distributed.balance import EngineCost
 from treeattn_lab.engine import CostModel, MicroBatchShape, modes, rollout_terms, tree_backward
-from treeattn_lab.engine.call_plan import auto_micro_batches, dfs_block_ladder
+from treeattn_lab.engine.call_plan import auto_micro_batches, dfs_block_ladder, engine_micro_batches
 from treeattn_lab.engine.modes import MODES
 
 BLOCK = 8
@@ -223,14 +223,16 @@ def test_under_a_memory_limit_the_walk_must_fit_it():
     assert 500 < predicted["dfs"][1] <= 1000
 
 
-def test_plans_of_one_trie_share_their_micro_batch_tries_and_packs():
+def test_calls_on_one_trie_share_the_micro_batch_tries_they_run_and_keep_no_candidate():
     seqs, budget = cut_prompts(), 64
-    trie = RolloutTrie.from_sequences(seqs)
     for cost_model in (walk_model(per_call=1.0), walk_model(per_call=0.0)):  # cut, then walked
-        first = auto_micro_batches(trie, BLOCK, budget, cost_model)
-        again = auto_micro_batches(trie, BLOCK, budget, cost_model)
-        assert [mb.trie for mb, _ in first] == [mb.trie for mb, _ in again]
+        trie = RolloutTrie.from_sequences(seqs)
+        first = engine_micro_batches(trie, "auto", BLOCK, budget, cost_model)
+        again = engine_micro_batches(trie, "auto", BLOCK, budget, cost_model)
         assert all(a.trie is b.trie for (a, _), (b, _) in zip(first, again, strict=True))
         for mb, _ in first:
             assert mb.trie == RolloutTrie.from_sequences([seqs[i] for i in mb.sequences])
-            assert mb.trie.pack_on("cpu") is mb.trie.pack_on("cpu")
+        kept = [key for key in trie._cache if key[0] == "micro_batch_trie"]
+        assert sorted(kept) == sorted(("micro_batch_trie", mb.sequences) for mb, _ in first)
+    packed = engine_micro_batches(trie, "packed", BLOCK, budget, cost_model)
+    assert all(a.trie is trie._cache[("micro_batch_trie", a.sequences)] for a, _ in packed)

@@ -4,6 +4,7 @@ import copy
 import errno
 import json
 import os
+import pickle
 import tempfile
 
 import networkx as nx
@@ -543,6 +544,28 @@ def test_subtrie_is_the_trie_of_those_sequences(seqs, rng):
     whole = trie.subtrie(dfs_order)
     whole.nodes[-1].tokens.append(0)  # a subtrie shares no list with its trie
     assert trie == RolloutTrie.from_sequences(seqs)
+
+
+@pytest.mark.parametrize(
+    "indices, error, match",
+    [([], ValueError, "no sequence indices"), ([0, 3], ValueError, "index 3; this trie holds 3"),
+     ([-1], ValueError, "index -1"), ([0.0], TypeError, "sequence indices must be integers")],
+)
+def test_subtrie_refuses_no_indices_and_indices_it_does_not_hold(indices, error, match):
+    trie = RolloutTrie.from_sequences([[1, 2], [1, 3], [4]])
+    with pytest.raises(error, match=match):
+        trie.subtrie(indices)
+
+
+def test_a_pack_is_built_on_the_cpu_whatever_the_default_device_and_a_trie_pickles_without_its_cache():
+    trie = RolloutTrie.from_sequences([[1, 2, 3], [1, 2, 4, 5], [6]])
+    expected = trie.pack()
+    with torch.device("meta"):
+        pack = trie.pack()
+    assert_packs_equal(pack, expected)
+    trie.pack_on("cpu")
+    restored = pickle.loads(pickle.dumps(trie))
+    assert restored == trie and restored._cache == {} and trie._cache
 
 
 @given(rollout_forests())

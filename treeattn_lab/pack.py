@@ -26,11 +26,13 @@ import torch
 from .patterns.tree import tree_visibility
 
 
-def int64(values: Iterable[int]) -> torch.Tensor:
+def _int64_tensor(values: Iterable[int]) -> torch.Tensor:
     """An int64 CPU tensor of Python ints, converted in C (through an int64 array) rather than one object
     at a time as ``torch.tensor`` of a list converts them."""
     buffer = array("q", values)
-    return torch.frombuffer(buffer, dtype=torch.int64) if buffer else torch.zeros(0, dtype=torch.int64)
+    if not buffer:  # frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=torch.int64, device="cpu")
+    return torch.frombuffer(buffer, dtype=torch.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,16 +73,16 @@ class TreePack:
         order_ids = trie.preorder(order)
         nodes = trie.nodes
         # per node in preorder: its token count, and where its tokens start in the pack
-        lengths = int64([len(nodes[n].tokens) for n in order_ids])
+        lengths = _int64_tensor([len(nodes[n].tokens) for n in order_ids])
         starts = torch.cumsum(lengths, 0) - lengths
-        node_start = torch.zeros(len(nodes), dtype=torch.int64)
-        order_t = int64(order_ids)
+        node_start = torch.zeros(len(nodes), dtype=torch.int64, device="cpu")  # whatever the default device
+        order_t = _int64_tensor(order_ids)
         node_start[order_t] = starts
         node_end = node_start.clone()
         node_end[order_t] = starts + lengths
         # a token's position: its node's depth plus its index in the node
-        offsets = starts - int64([nodes[n].depth for n in order_ids])
-        positions = torch.arange(int(lengths.sum())) - offsets.repeat_interleave(lengths)
+        offsets = starts - _int64_tensor([nodes[n].depth for n in order_ids])
+        positions = torch.arange(int(lengths.sum()), device="cpu") - offsets.repeat_interleave(lengths)
         node_id = order_t.repeat_interleave(lengths)
         # subtree end: children come after their parent in preorder, so a reverse sweep suffices
         sub_end = node_end.tolist()
@@ -88,18 +90,18 @@ class TreePack:
             p = nodes[node].parent
             if p >= 0:
                 sub_end[p] = max(sub_end[p], sub_end[node])
-        node_sub_end = int64(sub_end)
+        node_sub_end = _int64_tensor(sub_end)
         return cls(
-            input_ids=int64(chain.from_iterable(nodes[n].tokens for n in order_ids)),
+            input_ids=_int64_tensor(chain.from_iterable(nodes[n].tokens for n in order_ids)),
             position_ids=positions,
             node_id=node_id,
             subtree_end=node_sub_end[node_id].to(torch.int32),
             node_start=node_start,
             node_end=node_end,
             node_subtree_end=node_sub_end,
-            node_parent=int64([n.parent for n in nodes]),
-            seq_lengths=int64(trie.seq_lengths),
-            seq_end_node=int64(trie.seq_end_node),
+            node_parent=_int64_tensor([n.parent for n in nodes]),
+            seq_lengths=_int64_tensor(trie.seq_lengths),
+            seq_end_node=_int64_tensor(trie.seq_end_node),
         )
 
     # ------------------------------------------------------------------ sizes

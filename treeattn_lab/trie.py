@@ -152,11 +152,16 @@ class RolloutTrie:
 
     def subtrie(self, indices: Sequence[int]) -> RolloutTrie:
         """The trie of sequences ``indices`` in that order, exactly as :meth:`from_sequences` builds it from
-        them, read off this trie's nodes without inserting a token again: the nodes on their paths, each
-        node's children in the order the sequences first reach them, and every chain that the chosen
-        sequences neither end on nor branch from merged into one node (so it costs the paths' nodes, not
-        the rollouts' tokens)."""
-        indices = list(indices)
+        them, read off this trie's nodes: the nodes on their paths, each node's children in the order the
+        sequences first reach them, and every chain that the chosen sequences neither end on nor branch
+        from merged into one node (it costs the paths' nodes, not the rollouts' tokens). Raises ValueError
+        for no indices or one outside ``[0, num_sequences)``, TypeError for one that is not an integer."""
+        indices = [as_integer(i, "subtrie got the index", "sequence indices") for i in indices]
+        if not indices:
+            raise ValueError("subtrie got no sequence indices: a trie needs at least one rollout")
+        if not all(0 <= i < self.num_sequences for i in indices):
+            bad = next(i for i in indices if not 0 <= i < self.num_sequences)
+            raise ValueError(f"subtrie got the sequence index {bad}; this trie holds {self.num_sequences}")
         children: dict[int, list[int]] = {}  # old node -> its children on chosen paths, first reached first
         ends: dict[int, list[int]] = {}  # old node -> the new indices of the chosen sequences ending there
         reached: set[int] = set()
@@ -359,6 +364,10 @@ class RolloutTrie:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, RolloutTrie) and self.to_dict() == other.to_dict()
+
+    def __getstate__(self) -> dict:
+        """A trie pickles without what is cached on it (packs, maybe on a device): rebuilt where used."""
+        return {**self.__dict__, "_cache": {}}
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -203,13 +203,13 @@ def calibrate(
     """Time every mode on :func:`calibration_tries` on the model's device and fit a :class:`CostModel`.
 
     ``scale_tokens``: tree tokens of the largest synthetic trie (default and at most ``token_budget``,
-    else 4096): calibrate at the size the engine will run. Every mode first runs once on the smallest
-    trie, and dfs once in a walk that runs FA4 where one would (:func:`_warm_up_runs`), not fitted: kernel
-    compilation and library start-up take tens of seconds on a cold GPU. Then the tries are measured in
-    order; none starts once ``seconds`` have passed since the warm-up ended, but at least one is measured.
-    Each trie runs every mode at ``block_tokens`` and dfs also in the two largest blocks within the budget
-    (:func:`_runs_of`). Every run keeps the fastest of ``repeats`` (a new size can still compile a kernel
-    variant), except dfs at ``block_tokens`` (several times slower), which runs once. Existing ``.grad``
+    else 4096): calibrate at the size the engine will run. Every run of the smallest trie, and dfs in
+    walks that run FA4 where walks do, first runs once, not fitted (:func:`_warm_up_runs`: kernels compile
+    and libraries start on first use). Then the tries are measured in order; none starts once ``seconds``
+    have passed since the warm-up ended, but at least one is measured. Each trie runs every mode at
+    ``block_tokens`` and dfs also in the two largest blocks within the budget (:func:`_runs_of`). Every
+    run keeps the fastest of ``repeats`` (a new size can still compile a kernel variant), except dfs at
+    ``block_tokens`` (several times slower), which runs once. Existing ``.grad``
     of the model's parameters are saved and restored, and the progress bar is closed, whatever happens.
 
     The result says what it could fit: ``fit_info["calibration"]`` names the tries measured and those
@@ -358,17 +358,23 @@ def refit(cost_model: CostModel) -> CostModel:
 
 def _warm_up_runs(tries, settings: dict, fa4_rectangle: int | None) -> list[tuple[RolloutTrie, str, int]]:
     """``(trie, mode, block_tokens)`` of the warm-up: every run of :func:`_runs_of` on the smallest trie,
-    and, where walks of large enough blocks run FA4 (``fa4_rectangle``), dfs in the largest block of the
-    smallest trie whose walk there does (its kernels compile on first use, and the smallest trie's walks
-    are often too small to reach them)."""
+    and, where walks of large enough blocks run FA4 (``fa4_rectangle``), dfs in every block in which the
+    smallest trie with such a walk walks with FA4 (its largest block often holds it in one tree-shaped
+    call, the one below splits chains: FA4's kernels for both compile on first use, and the smallest
+    trie's walks are often too small to reach them); no run twice."""
     by_size = sorted((t for _, t in tries), key=lambda t: sum(len(n.tokens) for n in t.nodes))
-    runs = [(by_size[0], mode, block) for mode, block in _runs_of(by_size[0], settings)]
-    if fa4_rectangle is not None:
-        for trie in by_size:
-            block = max(b for m, b in _runs_of(trie, settings) if m == "dfs")
-            if MicroBatchShape.of(trie, block, settings["token_budget"]).dfs_walk_rectangle >= fa4_rectangle:
-                runs.append((trie, "dfs", block))
-                break
+    smallest = _runs_of(by_size[0], settings)
+    runs = [(by_size[0], mode, block) for mode, block in smallest]
+    if fa4_rectangle is None:
+        return runs
+    def runs_fa4(trie, block) -> bool:
+        return MicroBatchShape.of(trie, block, settings["token_budget"]).dfs_walk_rectangle >= fa4_rectangle
+
+    for trie in by_size:
+        walks = [block for mode, block in _runs_of(trie, settings) if mode == "dfs" and runs_fa4(trie, block)]
+        if walks:
+            done = smallest if trie is by_size[0] else []
+            return runs + [(trie, "dfs", block) for block in walks if ("dfs", block) not in done]
     return runs
 
 

@@ -33,7 +33,7 @@ from ..checks import check_int
 from ..trie import RolloutTrie
 from .adapters import ModelAdapter, adapt
 from .cost_model import CostModel, MicroBatchShape
-from .microbatch import MicroBatch, micro_batch_trie, plan_micro_batches
+from .microbatch import MicroBatch, plan_micro_batches, shared_micro_batch
 from .modes import MODES
 
 
@@ -102,13 +102,16 @@ def engine_micro_batches(
 ) -> list[tuple[MicroBatch, dict]]:
     """The micro-batches an engine call in ``mode`` runs, each with its ``mode`` set, and the seconds the
     cost model predicts for each per mode: under ``"auto"`` :func:`auto_micro_batches`, otherwise the cuts
-    of :func:`~.microbatch.plan_micro_batches` (no predictions). ``cost_model`` None: the prior."""
+    of :func:`~.microbatch.plan_micro_batches` (no predictions). ``cost_model`` None: the prior. Each
+    micro-batch's trie is the one every call on ``trie`` running those rollouts shares
+    (:func:`~.microbatch.shared_micro_batch`)."""
     cost_model = cost_model or CostModel()
     if mode == "auto":
         planned = auto_micro_batches(trie, block_tokens, token_budget, cost_model, memory_limit, modes)
-        return [(mb, {m: p[0] for m, p in predictions.items()}) for mb, predictions in planned]
+        return [(shared_micro_batch(trie, mb), {m: p[0] for m, p in predictions.items()})
+                for mb, predictions in planned]
     cut = plan_micro_batches(trie, token_budget, cost_model=cost_model, mode=mode)
-    return [(replace(mb, mode=mode), {}) for mb in cut]
+    return [(shared_micro_batch(trie, replace(mb, mode=mode)), {}) for mb in cut]
 
 
 def auto_micro_batches(
@@ -166,7 +169,7 @@ def _whole_walk(trie, block_tokens, token_budget, cost_model, memory_limit, mode
 def _dfs_micro_batch(trie, sequences, carried_tokens, block_tokens, token_budget, cost_model, modes):
     """Rollouts ``sequences`` of ``trie`` (DFS order) as one ``"dfs"`` micro-batch (its r-th rollout is
     ``sequences[r]``), with the cost model's ``{mode: (seconds, bytes)}`` for it at ``block_tokens``."""
-    mb = MicroBatch(sequences, micro_batch_trie(trie, tuple(sequences)), carried_tokens, mode="dfs")
+    mb = MicroBatch(sequences, trie.subtrie(sequences), carried_tokens, mode="dfs")
     shape = MicroBatchShape.of(mb.trie, block_tokens, token_budget)
     return mb, {m: cost_model.predict(shape, m) for m in modes}
 

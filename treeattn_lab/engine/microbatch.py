@@ -29,7 +29,7 @@ Where the cuts fall:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 from ..checks import check_int
@@ -62,11 +62,13 @@ class MicroBatch:
         return sum(len(n.tokens) for n in self.trie.nodes)
 
 
-def micro_batch_trie(trie: RolloutTrie, sequences: tuple[int, ...]) -> RolloutTrie:
-    """The trie of rollouts ``sequences`` of ``trie``, built once per trie: every plan and pass over the
-    same rollouts (the log-prob passes and the training step of one RL step) that runs this micro-batch
-    shares it, and with it its packs and what is cached on them."""
-    return trie.cached(("micro_batch_trie", sequences), lambda: trie.subtrie(sequences))
+def shared_micro_batch(trie: RolloutTrie, mb: MicroBatch) -> MicroBatch:
+    """``mb`` (a micro-batch of ``trie``'s rollouts that a plan runs) with the trie of its rollouts that
+    every plan of ``trie`` running the same rollouts shares: the first such plan's, kept on ``trie``. The
+    passes over one set of rollouts (the log-prob passes and the training step of an RL step) then share
+    that trie, its packs (on the device too) and what is cached on them, for as long as ``trie`` lives.
+    Only what a plan runs is kept, never the candidates it weighed."""
+    return replace(mb, trie=trie.cached(("micro_batch_trie", mb.sequences), lambda: mb.trie))
 
 
 def _pairs(lo: int, hi: int) -> int:
@@ -162,6 +164,6 @@ def _cut(trie: RolloutTrie, token_budget: int | None, seconds) -> list[MicroBatc
         starts = _cheapest_starts(lengths, shared, token_budget, seconds)
     bounds = starts + [len(order)]
     return [
-        MicroBatch(tuple(order[a:b]), micro_batch_trie(trie, tuple(order[a:b])), shared[a])
+        MicroBatch(tuple(order[a:b]), trie.subtrie(order[a:b]), shared[a])
         for a, b in pairwise(bounds)
     ]

@@ -67,9 +67,10 @@ def model_work(model: nn.Module) -> dict:
 
     A token costs :data:`TOKEN_FLOPS_PER_WEIGHT` FLOPs per matmul weight (every parameter of two or more
     dimensions outside embedding lookups; a tied output head counts once, as the matmul it is). A pair
-    costs :data:`PAIR_FLOPS_PER_CHANNEL` x query heads x head dim x layers, read off the model's config
-    (TinyLM's ``cfg`` or a Hugging Face ``config``); where it is missing, :data:`DEFAULT_PAIR_TOKEN_RATIO`
-    of a token. ``known`` says whether the token FLOPs come from the model (the plausibility check of the
+    costs :data:`PAIR_FLOPS_PER_CHANNEL` x query heads x head dim x layers (head dim: the mean of the
+    query and value widths where they differ), read off the model's config (TinyLM's ``cfg`` or a Hugging
+    Face ``config``); where it is missing, :data:`DEFAULT_PAIR_TOKEN_RATIO` of a token. ``known`` says
+    whether the token FLOPs come from the model (the plausibility check of the
     fit needs them).
     """
     weights = 0
@@ -82,8 +83,11 @@ def model_work(model: nn.Module) -> dict:
     layers = _first_attr(cfg, "n_layers", "num_hidden_layers")
     heads = _first_attr(cfg, "n_heads", "num_attention_heads")
     width = _first_attr(cfg, "dim", "hidden_size")
-    # a query's width (MLA configs give it as qk_head_dim; their head_dim is the rope part alone)
+    # channels per pair: a query's width for Q.K and a value's for P.V; MLA configs give them as
+    # qk_head_dim and v_head_dim (their head_dim is the rope part alone), others as one head_dim
     head_dim = _first_attr(cfg, "qk_head_dim", "head_dim") or (width // heads if width and heads else None)
+    if head_dim and _first_attr(cfg, "v_head_dim"):
+        head_dim = (head_dim + _first_attr(cfg, "v_head_dim")) / 2
     if layers and heads and head_dim:
         per_pair = float(PAIR_FLOPS_PER_CHANNEL * heads * head_dim * layers)
     else:
