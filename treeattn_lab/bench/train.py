@@ -9,6 +9,10 @@ materialization), ``dfs-ckpt`` (dfs with the model's layers checkpointed, in blo
 micro-batch's memory, no prefix carried over a cut) and ``auto`` (the cost model, calibrated on this
 device first, picks per micro-batch among the first three, or the whole trie as one dfs walk).
 
+Each (set, mode) runs one warm-up step, then times ``--reps`` steps on the same trie: what is built once
+per trie (packs and their device copies, the micro-batch tries a plan runs) is built in the warm-up. An
+RL step shares that work across its log-prob and training passes, not across steps.
+
 Reported per (set, mode): step time, throughput in flat tokens per second (the tokens a flat trainer would
 process, so modes compare directly), speed-up over flat, peak CUDA memory of the backward call (total, and
 above what was allocated before it), and the modes ``auto`` chose. Beside the token ratio stands the *work
