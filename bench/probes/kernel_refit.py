@@ -17,7 +17,7 @@ import torch
 from treeattn_lab.bench.harness import command_line, write_results
 from treeattn_lab.bench.train import LLAMA_05B, bench_trie
 from treeattn_lab.engine import CostModel
-from treeattn_lab.engine.block_attention import FA4_MIN_WALK_WORK
+from treeattn_lab.engine.block_attention import fa4_min_rectangle
 from treeattn_lab.engine.calibration import refit
 from treeattn_lab.engine.call_plan import auto_micro_batches
 from treeattn_lab.reference import TinyLM
@@ -44,8 +44,7 @@ def main(run_path: str, out_dir: str | None = None) -> None:
     engine = run["engine"]
     measured = CostModel.from_dict(run["cost_model"])
     report = measured.fit_info["calibration"]
-    width = LLAMA_05B.n_heads * LLAMA_05B.head_dim
-    report.setdefault("fa4_rectangle", -(-FA4_MIN_WALK_WORK // width))
+    report.setdefault("fa4_rectangle", fa4_min_rectangle(LLAMA_05B.n_heads, LLAMA_05B.head_dim))
     refitted = refit(measured)
     plans = {name: {"run": plan_of(measured, name, engine), "refit": plan_of(refitted, name, engine)}
              for name in ("agentic", "low_sharing")}

@@ -34,6 +34,19 @@ from . import hf_attention
 LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
 
 
+def query_width(cfg) -> int | None:
+    """A query head's width in a model config (TinyLM's ``cfg`` or a Hugging Face ``config``): MLA models
+    (DeepSeek-V3) give it as ``qk_head_dim``, their ``head_dim`` being the rope part alone; others as
+    ``head_dim``, or it is the hidden size over the query heads. None where the config says neither."""
+    for name in ("qk_head_dim", "head_dim"):
+        width = getattr(cfg, name, None)
+        if isinstance(width, int) and not isinstance(width, bool) and width > 0:
+            return width
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "dim", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+
+
 class ModelAdapter:
     """What the engine knows of a model: sizes (layers, vocabulary, query heads and their width), hidden
     states under an engine-supplied attention, the head."""
@@ -123,12 +136,8 @@ class HFCausalLMAdapter(ModelAdapter):
     def __init__(self, model):
         cfg = model.config
         hf_attention.check_supported_model(model)
-        heads = cfg.num_attention_heads
-        # a query's width: MLA models (DeepSeek-V3) give it as qk_head_dim, their head_dim is the rope part
-        head_dim = (getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None)
-                    or cfg.hidden_size // heads)
         super().__init__(model, num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
-                         query_heads=heads, head_dim=head_dim)
+                         query_heads=cfg.num_attention_heads, head_dim=query_width(cfg))
         self.sliding_window = hf_attention.sliding_window(cfg)
         self._slot: dict | None = None
         if model not in _HEADS_CHECKED:

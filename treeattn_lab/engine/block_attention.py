@@ -43,7 +43,7 @@ from ..ops.tile_census import FA4_TILE
 from .attention import prefix_tree, suffix_causal
 
 __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask", "block_rule",
-           "fa4_walk_rectangle", "rule_mask", "rule_tiles", "span_mask"]
+           "fa4_min_rectangle", "fa4_walk_rectangle", "rule_mask", "rule_tiles", "span_mask"]
 
 # A walk runs FA4 when its mean block's ``queries x keys x query heads x head dim`` (the work of the
 # block's SDPA rectangle) is at least this: below it the step is bound by the host, which FA4's costlier
@@ -52,13 +52,19 @@ __all__ = ["FA4_MIN_WALK_WORK", "BlockAttention", "WalkKernel", "additive_mask",
 FA4_MIN_WALK_WORK = 3 * 2**33
 
 
+def fa4_min_rectangle(query_heads: int, head_dim: int) -> int:
+    """The smallest mean block ``queries x keys`` whose work reaches :data:`FA4_MIN_WALK_WORK` for a model
+    with ``query_heads`` heads of ``head_dim`` (where FA4 runs, walks from it on run FA4)."""
+    return -(-FA4_MIN_WALK_WORK // (query_heads * head_dim))
+
+
 def fa4_walk_rectangle(query_heads: int, head_dim: int, device, dtype: torch.dtype) -> int | None:
     """The smallest mean block ``queries x keys`` from which a walk of a model with ``query_heads`` heads
     of ``head_dim`` runs FA4 on ``device`` in ``dtype`` (:meth:`WalkKernel.choose`); None where FA4 does
     not run there (every walk runs SDPA)."""
     if not fa4_takes(torch.device(device), dtype, head_dim):
         return None
-    return -(-FA4_MIN_WALK_WORK // (query_heads * head_dim))
+    return fa4_min_rectangle(query_heads, head_dim)
 
 
 def block_rule(subtree_end: torch.Tensor, start: int, end: int, position: int):

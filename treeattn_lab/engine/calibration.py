@@ -367,6 +367,7 @@ def _warm_up_runs(tries, settings: dict, fa4_rectangle: int | None) -> list[tupl
     runs = [(by_size[0], mode, block) for mode, block in smallest]
     if fa4_rectangle is None:
         return runs
+
     def runs_fa4(trie, block) -> bool:
         return MicroBatchShape.of(trie, block, settings["token_budget"]).dfs_walk_rectangle >= fa4_rectangle
 

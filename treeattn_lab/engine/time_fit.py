@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .adapters import query_width
 from .nnls import nnls_normalized
 
 PER_CALL_FIT = "per-call"  # the method name of fit_per_call's fits
@@ -82,10 +83,9 @@ def model_work(model: nn.Module) -> dict:
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     layers = _first_attr(cfg, "n_layers", "num_hidden_layers")
     heads = _first_attr(cfg, "n_heads", "num_attention_heads")
-    width = _first_attr(cfg, "dim", "hidden_size")
-    # channels per pair: a query's width for Q.K and a value's for P.V; MLA configs give them as
-    # qk_head_dim and v_head_dim (their head_dim is the rope part alone), others as one head_dim
-    head_dim = _first_attr(cfg, "qk_head_dim", "head_dim") or (width // heads if width and heads else None)
+    # channels per pair: a query's width for Q.K and a value's for P.V (MLA configs give the value's as
+    # v_head_dim; elsewhere the two are one head_dim)
+    head_dim = query_width(cfg)
     if head_dim and _first_attr(cfg, "v_head_dim"):
         head_dim = (head_dim + _first_attr(cfg, "v_head_dim")) / 2
     if layers and heads and head_dim:
