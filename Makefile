@@ -1,14 +1,18 @@
 # treeattn_lab: two commands.
 #   make lab   -> .venv with the lab (the package and its "lab" extra: JupyterLab, widgets, plotly), then
 #                 JupyterLab on notebooks/ (LAB_ARGS passes options, e.g. LAB_ARGS="--port=8899 --no-browser")
-#   make test  -> .venv with the dev extras (the lab's included), then the whole suite (notebooks included)
+#   make test  -> .venv with the dev extras (the lab's included), then the whole suite (notebooks included);
+#                 the suite also checks two bare venvs that hold only what a learner gets: .venv-lab, built by
+#                 this Makefile's own `make lab` recipe (VENV=.venv-lab), and .venv-binder, built by Binder's
+#                 recipe (binder/requirements.txt, then binder/postBuild); JupyterLab in the browser test
+#                 runs from .venv-lab
 #
 # torch: a torch importable by $(PYTHON) (a cloud GPU notebook) is kept: the venv then sees the system
 # site-packages. Otherwise: a CUDA build from PyPI where an NVIDIA GPU is present, else the CPU build
 # (a local wheel when pip's find-links has one, else the CPU index) so CPU machines never pull CUDA wheels.
 
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_CPU_VERSION ?= 2.13.0
@@ -16,7 +20,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 LAB_ARGS ?=
 
-.PHONY: lab test venv torch browser lint bench-tree clean
+.PHONY: lab test venv torch browser bare-venvs lint bench-tree clean
 
 $(PY):
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -81,9 +85,28 @@ browser:
 	  echo "[make] no /usr/bin/chromium, and apt-get needs root: the browser test will not run here"; \
 	fi
 
-test: $(VENV)/.dev browser
+# The venvs a learner gets, for the tests: `make lab`'s own recipe into .venv-lab, and Binder's recipe (its
+# requirements.txt, then its postBuild, as repo2docker runs them) into .venv-binder. PIP_RETRIES=0: where
+# Binder's extra index (PyTorch's CPU wheels) cannot be reached, pip goes on without it at once (torch then
+# comes from a local wheel) instead of retrying every package five times.
+LAB_VENV := .venv-lab
+BINDER_VENV := .venv-binder
+
+$(BINDER_VENV)/.binder: binder/requirements.txt binder/postBuild pyproject.toml
+	rm -rf $(BINDER_VENV)
+	$(PYTHON) -m venv $(BINDER_VENV)
+	PIP_RETRIES=0 $(BINDER_VENV)/bin/python -m pip --disable-pip-version-check install -q \
+	  -r binder/requirements.txt 2>&1 | grep -v -e "is ignored" -e "Retrying" || true
+	PATH="$(abspath $(BINDER_VENV))/bin:$$PATH" bash binder/postBuild 2>&1 | grep -v "is ignored" || true
+	@touch $@
+
+bare-venvs: $(BINDER_VENV)/.binder
+	@$(MAKE) --no-print-directory VENV=$(LAB_VENV) $(LAB_VENV)/.lab
+
+test: $(VENV)/.dev browser bare-venvs
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n 2 --dist loadgroup -q $(PYTEST_ARGS)
+	TREEATTN_LAB_PYTHON="$(abspath $(LAB_VENV))/bin/python" TREEATTN_BINDER_PYTHON="$(abspath $(BINDER_VENV))/bin/python" \
+	  $(PY) -m pytest -n 2 --dist loadgroup -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
@@ -92,4 +115,4 @@ bench-tree: $(VENV)/.lab
 	$(PY) -m treeattn_lab bench tree
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(LAB_VENV) $(BINDER_VENV) build dist *.egg-info

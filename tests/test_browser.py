@@ -3,7 +3,8 @@
 Starts one JupyterLab headless on loopback (a free port, no token, every JUPYTER_* folder in a temp dir,
 ``TREEATTN_QUICK=1``) over a *copy* of ``notebooks/`` (JupyterLab autosaves outputs into the files it
 serves; the committed notebooks must stay clean), drives Debian's chromium through Playwright (never a
-downloaded browser) in a 1280-px-wide window, and runs every notebook in turn, one kernel at a time
+downloaded browser) in JupyterLab's default layout on a small laptop screen (a 1366 x 900 window, the file
+browser open), and runs every notebook in turn, one kernel at a time
 (each is shut down before the next notebook opens). From the page it reads, per notebook:
 
 - the notebook model (through ``--LabApp.expose_app_in_browser``): every code cell ran, none errored;
@@ -50,9 +51,9 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-SERVER_START_S = 60
-RUN_ALL_S = 240  # Run All Cells of one quick-mode notebook
-WINDOW = {"width": 1280, "height": 1000}  # the window width every figure must fit (file browser folded)
+SERVER_START_S = 300  # a hang guard: JupyterLab answers in seconds on an idle machine
+RUN_ALL_S = 1800  # a hang guard for Run All Cells of one quick-mode notebook, never a speed check
+WINDOW = {"width": 1366, "height": 900}  # a small laptop screen; the file browser stays open beside it
 FIGURE_DRAW_MS = 10_000  # the longest a plotly output may take to draw once on screen
 
 # user settings of the temp JupyterLab: every cell kept in the DOM, no news or update checks
@@ -100,13 +101,30 @@ DONE_JS = f"""() => {{
 }}"""
 
 
+def _under_ci() -> bool:
+    return bool(os.environ.get("CI")) or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1"
+
+
 def _require(ok: bool, why: str) -> None:
     """Skip where the browser cannot run; fail under CI, which installs it."""
     if ok:
         return
-    if os.environ.get("CI") or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1":
+    if _under_ci():
         pytest.fail(f"{why} (required under CI)")
     pytest.skip(why)
+
+
+def _lab_python() -> str:
+    """The interpreter JupyterLab (and so every kernel) runs from: the venv `make lab` builds, which
+    `make test` names in ``TREEATTN_LAB_PYTHON``; this test's own interpreter where none is named, except
+    under CI."""
+    path = os.environ.get("TREEATTN_LAB_PYTHON")
+    if path:
+        assert Path(path).is_file(), f"TREEATTN_LAB_PYTHON={path}: no such interpreter"
+        return path
+    if _under_ci():
+        pytest.fail("TREEATTN_LAB_PYTHON is not set: `make test` builds the `make lab` venv and names it")
+    return sys.executable
 
 
 def _free_port() -> int:
@@ -149,7 +167,7 @@ def lab_url(tmp_path_factory):
     )
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        _lab_python(), "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
         "--ServerApp.token=", "--ServerApp.password=", f"--ServerApp.root_dir={root}",
         "--LabApp.expose_app_in_browser=True",
     ]  # fmt: skip
@@ -205,7 +223,9 @@ def _open_and_run_all(browser, lab_url: str, name: str, *, while_running=None):
     workspace = name.split("_")[0]
     page.goto(f"{lab_url}/lab/workspaces/w{workspace}/tree/notebooks/{name}")
     page.wait_for_selector(".jp-Notebook .jp-Cell")
-    page.evaluate("() => window.jupyterapp.shell.collapseLeft()")  # the notebook gets the window's width
+    page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")  # open, as a learner has it
+    left = page.evaluate(LEFT_PANEL_JS)
+    assert left["shown"] and left["width"] >= 200, f"the file browser is not open beside the notebook: {left}"
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
     page.wait_for_function(KERNEL_READY_JS)  # clicking Run All before the kernel connects may do nothing
     for attempt in range(2):  # a click lost to a race shows as no cell starting: click once more
@@ -375,6 +395,11 @@ MONITOR_JS = f"""() => {{
     }}
     return null;
 }}"""
+LEFT_PANEL_JS = """() => {
+    const left = document.querySelector('#jp-left-stack');
+    return {shown: !!left && !left.classList.contains('lm-mod-hidden'),
+            width: left ? left.getBoundingClientRect().width : 0};
+}"""
 SHUTDOWN_JS = f"() => ({_NB})().sessionContext.shutdown()"
 
 

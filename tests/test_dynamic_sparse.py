@@ -19,6 +19,8 @@ from treeattn_lab.ops.sparse import sparse_attention
 from treeattn_lab.patterns.vertical_slash import VerticalSlashPattern
 from treeattn_lab.reference import TinyLM, TinyLMConfig, causal_attention
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton path: compiled on a GPU
+
 
 def qkv(seed, batch, n, hq, hkv, d, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
@@ -71,20 +73,20 @@ def test_triton_path_matches_reference_fp32():
     q, k, v = qkv(31, 2, 80, 2, 1, 16)
     budget = SparseBudget(5, 4, sinks=2, local=2, last_q=8, block_size=16)
     tri = DynamicSparseAttention(budget, backend="triton")
-    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    leaves = [x.float().to(DEVICE).requires_grad_() for x in (q, k, v)]
     out = tri(*leaves)
     assert torch.isfinite(out).all()
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    out.backward(do.float())
-    patterns = [tri.pattern_for(leaves[0][b], leaves[1][b]) for b in range(2)]
+    out.backward(do.float().to(DEVICE))
+    patterns = [tri.pattern_for(leaves[0][b], leaves[1][b]).to("cpu") for b in range(2)]
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = torch.stack([sparse_attention(*(x[b] for x in ref_leaves), p, backend="reference")
                        for b, p in enumerate(patterns)])
     ref.backward(do)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-4, atol=1e-4)
     for got, want in zip(leaves, ref_leaves, strict=True):
         assert torch.isfinite(got.grad).all()
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_inputs_are_not_mutated_and_unbatched_calls_work():

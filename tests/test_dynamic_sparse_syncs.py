@@ -71,9 +71,13 @@ class SyncCounter(TorchDispatchMode):
         return sum(self.syncs.values())
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton path: compiled on a GPU
+
+
 def qkv(seed, batch, n, hq, hkv, d, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, n, h, d, generator=g, dtype=dtype).requires_grad_() for h in (hq, hkv, hkv)]
+    return [torch.randn(batch, n, h, d, generator=g, dtype=dtype).to(DEVICE).requires_grad_()
+            for h in (hq, hkv, hkv)]
 
 
 BUDGET = SparseBudget(5, 4, sinks=2, local=2, last_q=8, block_size=16)
@@ -127,7 +131,8 @@ def test_the_batch_runs_as_one_call_not_a_loop_over_sequences():
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_a_fixed_pattern_reads_its_entries_once(backend):
     """A user's pattern is checked once (entries read back); later calls under it read nothing."""
-    vertical, slash = torch.tensor([[0, 5, -1], [3, 9, 40]]), torch.tensor([[0, 1], [0, -1]])
+    vertical = torch.tensor([[0, 5, -1], [3, 9, 40]], device=DEVICE)
+    slash = torch.tensor([[0, 1], [0, -1]], device=DEVICE)
     pattern = VerticalSlashPattern(vertical, slash, 16)
     attention = fixed_pattern_attention(pattern, backend=backend)
     q, k, v = qkv(3, 2, 50, 2, 1, 16)
@@ -216,7 +221,8 @@ def test_the_batched_call_equals_each_sequence_under_its_own_pattern(seed, n, ba
     attention = DynamicSparseAttention(SparseBudget(4, 3, sinks=1, local=1, last_q=6, block_size=16),
                                        backend="reference")
     out = attention(q, k, v)
-    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     patterns = [attention.pattern_for(q[b].detach(), k[b].detach()) for b in range(batch)]

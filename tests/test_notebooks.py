@@ -7,7 +7,6 @@ committed ``.ipynb`` files. The kernel is ``python3`` (the venv's ipykernel) wit
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ nbformat = pytest.importorskip("nbformat")
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-CELL_TIMEOUT_S = 300
-QUICK_BUDGET_S = 150  # one notebook's whole quick-mode run, with room for a 2-core CPU shared with other work
+CELL_TIMEOUT_S = 1800  # a hang guard only: how long a notebook takes is measured by `bench notebooks`
 LESSONS = [p for p in NOTEBOOKS if p.name[:2] in {"01", "02", "03", "04", "05", "06"}]
 PROCESS_NOTES = re.compile(r"\bthe issue\b|issue's|\bMILP\b|\bTODO\b|\bwe tried\b|\bfor now\b", re.IGNORECASE)
 
@@ -88,12 +86,10 @@ def test_notebook_runs_headless(path, monkeypatch):
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},  # cwd of the kernel
         allow_errors=False,
     )
-    start = time.monotonic()
     try:
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{path.name} failed:\n{e}")
-    elapsed = time.monotonic() - start
 
     code_cells = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code_cells), "some code cells did not run"
@@ -101,4 +97,3 @@ def test_notebook_runs_headless(path, monkeypatch):
     assert not errors, errors
     assert sum(len(c.outputs) for c in code_cells) > 0, f"{path.name} produced no output at all"
     assert path.read_bytes() == before, "executing the notebook must not touch the committed file"
-    assert elapsed < QUICK_BUDGET_S, f"{path.name} took {elapsed:.0f} s in quick mode, over {QUICK_BUDGET_S}"

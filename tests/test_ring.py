@@ -23,6 +23,7 @@ from treeattn_lab.distributed.cpu_ranks import run_cases, spawn
 from treeattn_lab.distributed.layouts import RingSchedule, block_owner, rank_blocks, shard, unshard
 from treeattn_lab.distributed.ring import ring_sparse_attention
 from treeattn_lab.distributed.simulate import simulate
+from treeattn_lab.runtime import triton_interpreted
 
 TOL = 1e-10  # float64 einops steps
 TRITON_TOL = 2e-5  # fp32 kernel steps
@@ -62,7 +63,8 @@ def count_digest_exchanges(*, calls: int = 3, fault_rank: int | None = None, tok
 @pytest.mark.xdist_group("ring")
 def test_two_ranks_every_layout_and_the_triton_steps():
     cases = [dict(layout=layout) for layout in ("striped", "zigzag", "contiguous")]
-    cases.append(dict(layout="striped", tokens=128, backend="triton", dtype=torch.float32))
+    if triton_interpreted():  # gloo ranks hold CPU tensors, which Triton runs only in its interpreter
+        cases.append(dict(layout="striped", tokens=128, backend="triton", dtype=torch.float32))
     results = run_spawned(2, cases, timeout=240)
     _assert_close([r[:3] for r in results], TOL)
     _assert_close([r[3:] for r in results], TRITON_TOL)

@@ -1,7 +1,8 @@
 """The look every drawing shares: colours, colour scales, legend entries, wrapped titles, widths that fit.
 
-A figure fits JupyterLab's output area at a 1280-px window (about 1100 px): a drawing either autosizes
-(no ``width``) or sets a width of at most :data:`MAX_FIGURE_WIDTH`; titles are wrapped to the figure's
+A figure fits JupyterLab's default layout on a small laptop screen: at a 1366 x 900 window with the file
+browser open, a notebook's output area is about 930 px wide. A drawing either autosizes (no ``width``) or
+sets a width of at most :data:`MAX_FIGURE_WIDTH`; titles are wrapped to the figure's
 width (:func:`fit_title`) with the top margin they need, and legends sit beside or below the data.
 
 Colours name what they show, so the same thing has the same colour in every notebook: a highlighted
@@ -29,7 +30,7 @@ MASK_COLORSCALE = [[0.0, "#F4F4F4"], [1.0, "#2F5D8A"]]  # masked, attended
 BACKEND_COLORS = {"flat": "#888888", "flex": "#4C78A8", "triton": "#E45756", "reference": "#72B7B2"}
 MODE_COLORS = {"flat": "#888888", "packed": "#4C78A8", "dfs": "#E45756", "dfs-ckpt": "#F58518",
                "dfs-budget": "#B279A2", "auto": "#54A24B"}
-MAX_FIGURE_WIDTH = 980  # px: the widest a drawing sets; the output area at a 1280-px window is wider
+MAX_FIGURE_WIDTH = 900  # px: the widest a drawing sets; the output area at 1366 x 900 is about 930 px
 TITLE_FONT_PX = 17  # plotly's default title size
 LINE_PX = 22  # the height of one title line
 LOG_AXIS = dict(type="log", exponentformat="power")  # log axes tick as 10^3, not 1e+3 or 1k
