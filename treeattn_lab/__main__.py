@@ -23,6 +23,7 @@ BENCHES = {
     "dilated": "treeattn_lab.bench.dilated",
     "balance": "treeattn_lab.bench.balance",
     "compile": "treeattn_lab.bench.compile",
+    "notebooks": "treeattn_lab.bench.notebooks",
 }
 
 

@@ -251,6 +251,8 @@ SECTIONS = (
             {"dilated": render_dilated, "scan": render_scan}),
     Section("Train dense, infer sparse (RAT+)", "Loss of densely trained models run with dilated attention.",
             {"rat-dilation-": render_rat}),
+    Section("The notebooks", "How long each guided notebook takes top to bottom, as a learner runs it.",
+            {"notebooks": render_rows, "notebooks-quick": render_rows}),
 )
 
 
