@@ -11,7 +11,7 @@ import math
 
 import plotly.graph_objects as go
 
-from .style import MASK_COLORSCALE, above_plot, fit_title, legend_entry, stepped_colorscale
+from .style import MASK_COLORSCALE, above_plot, fit_title, fit_width, legend_entry, stepped_colorscale
 
 TILE_SKIPPED, TILE_FULL, TILE_PARTIAL = 0, 1, 2
 TILE_NAMES = ("skipped", "full", "partial")
@@ -177,7 +177,8 @@ def draw_tile_schedule(
     )
     if group > 1:
         sub += f"<br>each cell shows {group} x {group} tiles (coloured by its most expensive tile)"
-    side = 760 if not draw_elements else max(440, min(760, 2 * T + 160))
+    width = fit_width(200 + (760 if not draw_elements else max(440, min(760, 2 * T + 160))))
+    side = width - 200  # the map's side; the legend takes the rest
     text, lines = fit_title(
         f"{head}<br>" + "<br>".join(f"<sup>{s}</sup>" for s in sub.split("<br>")), side + 200
     )
@@ -185,7 +186,7 @@ def draw_tile_schedule(
     fig.update_layout(
         title=above_plot(text, lines, 55),  # clear of the key axis on top
         template="plotly_white",
-        width=side + 200,
+        width=width,
         height=side + top - 90,
         margin=dict(l=60, r=20, t=top, b=40),
         legend=dict(title="key tiles per query tile", x=1.02, y=1, yanchor="top"),
