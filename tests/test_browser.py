@@ -54,7 +54,7 @@ CHROMIUM_ARGS = [
 SERVER_START_S = 300  # a hang guard: JupyterLab answers in seconds on an idle machine
 RUN_ALL_S = 1800  # a hang guard for Run All Cells of one quick-mode notebook, never a speed check
 WINDOW = {"width": 1366, "height": 900}  # a small laptop screen; the file browser stays open beside it
-FIGURE_DRAW_MS = 10_000  # the longest a plotly output may take to draw once on screen
+FIGURE_DRAW_MS = 120_000  # a hang guard: how long a plotly output may take to draw once on screen
 
 # user settings of the temp JupyterLab: every cell kept in the DOM, no news or update checks
 LAB_SETTINGS = {

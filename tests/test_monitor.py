@@ -25,24 +25,32 @@ def no_thread_left_behind():
     assert not _monitor_threads(), "a LiveMonitor thread outlived its test"
 
 
+def _wait_for_samples(mon, n: int) -> None:
+    """Sleep until the sampler has taken ``n`` samples (kept or not), with a hang guard: a loaded machine
+    may starve the sampler thread for a while, never for minutes."""
+    deadline = time.monotonic() + 120
+    while mon.stats()["num_samples"] < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_samples_are_collected_in_the_background():
     with LiveMonitor(title="idle", hz=20, display="none") as mon:
         assert mon.running and len(_monitor_threads()) == 1
-        time.sleep(0.4)  # the main thread does nothing: only the sampler can add samples
+        _wait_for_samples(mon, 5)  # the main thread does nothing: only the sampler can add samples
     samples = mon.samples
-    assert len(samples) >= 5  # one on entry, about 8 from the thread, one on exit
+    assert len(samples) >= 5
     assert [s.t_s for s in samples] == sorted(s.t_s for s in samples)
     assert all(s.rss_mib is not None and s.rss_mib > 0 for s in samples)
     stats = mon.stats()
     assert stats["num_samples"] == len(samples)
-    assert 5 <= stats["sample_hz"] <= 25
+    assert 0 < stats["sample_hz"] <= 25  # never above its rate (a loaded machine may hold it below)
     if not torch.cuda.is_available():
         assert mon.devices == [] and all(s.gpus == () for s in samples)
 
 
 def test_histories_are_bounded():
     with LiveMonitor(hz=50, max_samples=3, max_steps=2, display="none") as mon:
-        time.sleep(0.25)
+        _wait_for_samples(mon, 4)
         for i in range(5):
             mon.step(latency_ms=float(i), label=f"s{i}")
     assert len(mon.samples) == 3 and mon.stats()["num_samples"] > 3
