@@ -149,3 +149,118 @@ def test_micro_batch_modes_colour_by_mode():
         assert modes[node] == (live.SHARED if label == live.SHARED else label.split(": ")[1])
     fig = live.draw_micro_batch_modes(trie, rows, title="t")
     assert fig.layout.title.text.startswith("t (")
+
+
+# ------------------------------------------------------------------------------------ scaled_down
+def test_scaled_down_keeps_the_shape_at_a_fraction_of_the_tokens():
+    rollouts = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21], [5, 6, 7, 8, 20, 21, 22, 23, 24], [30, 31]]
+    trie = RolloutTrie.from_sequences(rollouts)
+    small = demos.scaled_down(trie, 3)
+    assert small.num_sequences == trie.num_sequences and small.num_nodes == trie.num_nodes
+    assert [n.parent for n in small.nodes] == [n.parent for n in trie.nodes]
+    assert [len(n.tokens) for n in small.nodes] == [-(-len(n.tokens) // 3) for n in trie.nodes]
+    ids = sorted({t for s in small.sequences() for t in s})
+    assert ids == list(range(len(ids)))  # renumbered densely
+    assert demos.scaled_down(trie, 1).sequences() == [
+        [sorted({t for s in rollouts for t in s}, key=[t for s in rollouts for t in s].index).index(t)
+         for t in s] for s in rollouts
+    ]
+    with pytest.raises(ValueError, match="factor"):
+        demos.scaled_down(trie, 0)
+
+
+# ------------------------------------------------------------------------------- split_step_time
+def test_split_step_time_solves_two_steps_exactly():
+    per_op, per_token = 4e-6, 1e-4
+    steps = [{"aten_ops": ops, "work": work, "seconds": per_op * ops + per_token * work}
+             for ops, work in ((8000, 900), (70000, 800))]
+    split = demos.split_step_time(steps)
+    assert split["per_op_s"] == pytest.approx(per_op) and split["per_token_s"] == pytest.approx(per_token)
+    assert split["op_share"] == pytest.approx([per_op * s["aten_ops"] / s["seconds"] for s in steps])
+    proportional = [{"aten_ops": 10, "work": 1, "seconds": 1.0}, {"aten_ops": 20, "work": 2, "seconds": 2.0}]
+    assert demos.split_step_time(proportional) is None
+    noisy = [{"aten_ops": 1000, "work": 10, "seconds": 1.0}, {"aten_ops": 2000, "work": 10, "seconds": 0.5}]
+    assert demos.split_step_time(noisy) is None  # more ops in less time: no positive cost per op
+
+
+def test_token_work_counts_pushed_tokens_at_their_forward_share():
+    from treeattn_lab.engine import TreeBackwardReport
+    from treeattn_lab.engine.time_fit import FORWARD_TOKEN_SHARE
+
+    report = TreeBackwardReport(grad_tokens=700, no_grad_tokens=300)
+    assert demos.token_work(report) == pytest.approx(700 + 300 * FORWARD_TOKEN_SHARE)
+
+
+# -------------------------------------------------------------------------- dilated against dense
+@pytest.mark.parametrize("n,dilation,window,initial,block", [
+    (83, 5, 6, 3, 16), (300, 4, 0, 0, 64), (130, 1, 0, 0, 32), (257, 16, 32, 4, 64), (40, 64, 2, 1, 8),
+])
+def test_blockwise_dilated_attention_matches_the_reference(n, dilation, window, initial, block):
+    from treeattn_lab import dilated_attention
+    from treeattn_lab.patterns.dilated import DilatedPattern
+
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(n, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(n, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    got = demos.blockwise_dilated_attention(q, k, v, DilatedPattern(dilation, window, initial), block=block)
+    want = dilated_attention(q, k, v, dilation=dilation, window=window, initial=initial, backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_dilated_against_dense_counts_pairs_and_cache_bytes():
+    from treeattn_lab.patterns.dilated import DilatedPattern
+
+    pattern = DilatedPattern(8, window=16, initial=2)
+    before = torch.get_num_threads()
+    r = demos.dilated_against_dense(pattern, 256, heads=2, kv_heads=1, dim=8, repeats=1)
+    assert torch.get_num_threads() == before
+    assert r["ideal"] == pytest.approx(256 * 257 / 2 / pattern.num_pairs(256))
+    row_bytes = 1 * 8 * 4  # one kv head of 8 fp32 numbers
+    assert r["dense_cache_bytes"] == 2 * 256 * row_bytes
+    assert r["dilated_cache_bytes"] == 2 * pattern.kv_cache_entries(256) * row_bytes
+    assert r["cache_ratio"] == pytest.approx(r["dense_cache_bytes"] / r["dilated_cache_bytes"])
+    assert r["dense_s"] > 0 and r["dilated_s"] > 0
+    assert r["speedup"] == pytest.approx(r["dense_s"] / r["dilated_s"])
+
+
+# ------------------------------------------------------------------------------- logged tables
+LOG = """\
+                     grpo_math on 2 x NVIDIA H200, TinyLM llama-0.5b bfloat16
+┏━━━━━━━━━━━━━━━━┳━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━━━━━━━━┓
+┃    partitioner ┃ step s ┃ imbalance ┃ predicted imb. ┃
+┡━━━━━━━━━━━━━━━━╇━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━━━━━━━━┩
+│ contiguous_dfs │  0.648 │         1 │           1.01 │
+│     one device │  1,050 │           │                │
+└────────────────┴────────┴───────────┴────────────────┘
+                  targets
+┏━━━━━━━━━━━━━━━━━━━┳━━━━━━━┓
+┃            target ┃   met ┃
+┡━━━━━━━━━━━━━━━━━━━╇━━━━━━━┩
+│ throughput >= 1.8 │ False │
+└───────────────────┴───────┘
+wrote /somewhere/else.json
+"""
+
+
+def test_load_logged_tables_reads_the_printed_tables(tmp_path):
+    name = "multi-gpu-train-2x__NVIDIA-H100-80GB-HBM3__torch-2.11.0-cu130__triton-3.6.0.log"
+    (tmp_path / name).write_text(LOG)
+    got = demos.load_logged_tables("multi-gpu-train-2x", "NVIDIA-H100-80GB-HBM3", directory=tmp_path)
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "triton": "3.6.0"}
+    assert got["environment"] == env
+    assert got["title"] == "grpo_math on 2 x NVIDIA H200, TinyLM llama-0.5b bfloat16"
+    first, targets = got["tables"][got["title"]], got["tables"]["targets"]
+    assert first[0] == {"partitioner": "contiguous_dfs", "step s": 0.648, "imbalance": 1.0,
+                        "predicted imb.": 1.01}
+    assert first[1]["step s"] == 1050.0 and first[1]["imbalance"] == ""
+    assert targets == [{"target": "throughput >= 1.8", "met": "False"}]
+    assert demos.measured_on(got) == "an NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, triton 3.6.0)"
+    with pytest.raises(FileNotFoundError):
+        demos.load_logged_tables("nothing", directory=tmp_path)
+
+
+def test_the_committed_two_gpu_log_has_both_partitioners():
+    got = demos.load_logged_tables("multi-gpu-train-2x", "NVIDIA-H200")
+    rows = {r["partitioner"]: r for r in got["tables"][got["title"]]}
+    for name in ("contiguous_dfs", "subtree_search"):
+        assert isinstance(rows[name]["imbalance"], float) and isinstance(rows[name]["predicted imb."], float)

@@ -171,6 +171,95 @@ def test_draw_trie_markers_fit_the_room_of_a_leaf():
     assert viz.draw_trie(trie).layout.width is None  # the figure takes the output area's width
 
 
+# ------------------------------------------------------------------------------ trie labels
+def test_trie_label_forms():
+    from treeattn_lab.lab.viz import trie_labels
+
+    counts = (7, 999, 1000, 1234, 9949, 9951, 12345, 999_499, 2_500_000)
+    assert [trie_labels.count_label(n) for n in counts] == [
+        "7", "999", "1.0K", "1.2K", "9.9K", "10K", "12K", "999K", "2.5M"]
+    assert trie_labels.tokens_label([1, 2, 3], full=False) == "1 2 3"
+    assert trie_labels.tokens_label([1, 2, 3, 4, 5], full=False) == "1 2 … 5"
+    assert trie_labels.tokens_label([1, 2, 3, 4, 5], full=True) == "1 2 3 4 5"
+    assert trie_labels.ends_labels([]) == []
+    assert trie_labels.ends_labels([5]) == ["r5"]
+    assert trie_labels.ends_labels([5, 0]) == ["r0,5", "r0…"]
+    assert trie_labels.ends_labels([3, 4, 5, 6, 7]) == ["r3-7", "r3…"]
+
+
+def _label_boxes(fig):
+    """Every label of a trie drawing as a pixel box ``(x0, x1, y0, y1, text)``, at the plot width the
+    drawing assumes and the height it sets; generous text widths (``trie_labels.text_px``)."""
+    from treeattn_lab.lab.viz import trie_labels, tries
+
+    (x_lo, x_hi), (y_lo, y_hi) = fig.layout.xaxis.range, fig.layout.yaxis.range
+    plot_h = fig.layout.height - fig.layout.margin.t - fig.layout.margin.b
+    boxes = []
+    for trace in fig.data:
+        if trace.name not in ("node labels", "rollout labels") or not trace.text:
+            continue
+        spots = trace.textposition if isinstance(trace.textposition, tuple) else [trace.textposition] * len(
+            trace.text)
+        for x, y, text, spot in zip(trace.x, trace.y, trace.text, spots, strict=True):
+            px = (x - x_lo) / (x_hi - x_lo) * tries.PLOT_WIDTH_PX
+            py = (y - y_lo) / (y_hi - y_lo) * plot_h
+            w, h = trie_labels.text_px(text), (trie_labels.LABEL_FONT_PX + 2) * (text.count("<br>") + 1)
+            left = px if spot == "middle right" else px - w / 2
+            bottom = {"middle right": py - h / 2, "top center": py, "bottom center": py - h}[spot]
+            boxes.append((left, left + w, bottom, bottom + h, text))
+    return boxes
+
+
+def _overlaps(boxes):
+    return [(a[4], b[4]) for i, a in enumerate(boxes) for b in boxes[i + 1 :]
+            if a[0] < b[1] - 1 and b[0] < a[1] - 1 and a[2] < b[3] - 1 and b[2] < a[3] - 1]
+
+
+def test_draw_trie_labels_a_small_trie_with_its_tokens_and_rollouts():
+    rollouts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8, 9], [1, 2, 3, 4, 10, 11],
+                [1, 2, 3, 4, 10, 11, 12], [1, 2, 3, 4, 10, 13, 14], [1, 2, 3, 4, 5, 6, 7]]
+    trie = RolloutTrie.from_sequences(rollouts)
+    fig = viz.draw_trie(trie, highlight=trie.path(trie.seq_end_node[1]))
+    beside = set(_trace(fig, "node labels").text)
+    below = set(_trace(fig, "rollout labels").text)
+    assert {"1 2 3 4", "5 6", "7", "8 9", "10", "11 · r2", "12", "13 14"} == beside
+    assert {"r0,5", "r1", "r3", "r4"} == below  # rollout 2 ends on a node with a child: named beside it
+    assert not _overlaps(_label_boxes(fig))
+    assert all(not t.showlegend for t in fig.data if t.name in ("node labels", "rollout labels"))
+
+
+@pytest.mark.parametrize("name", ["grpo_math", "agentic", "tree_search", "low_sharing"])
+def test_the_bundled_sets_are_labelled_without_overlaps(name):
+    from treeattn_lab.datasets import load_trie
+
+    trie = load_trie(name)
+    fig = viz.draw_trie(trie)
+    boxes = _label_boxes(fig)
+    assert not _overlaps(boxes)
+    texts = [b[4] for b in boxes]
+    drawn_leaves = len(_trace(fig, "nodes").customdata) - 1 - (trie.num_nodes - len(trie.leaves()))
+    bundles = [t for t in fig.data if t.name == "bundled leaves"]
+    assert sum(t.startswith("r") or t.startswith("x") for t in texts) == drawn_leaves + sum(
+        len(b.x) for b in bundles)  # every leaf and bundle named below it
+    from treeattn_lab.lab.viz.trie_labels import count_label
+
+    nodes = _trace(fig, "nodes").customdata
+    inner = {count_label(len(trie.nodes[n].tokens)) for n in nodes if n and trie.nodes[n].children}
+    assert inner <= set(_trace(fig, "node labels").text)  # big nodes: labelled by their token count
+    assert len(_trace(fig, "node labels").text) >= sum(1 for n in nodes if n and trie.nodes[n].children)
+
+
+def test_a_crowded_row_of_leaves_is_labelled_on_two_levels():
+    from treeattn_lab.datasets import load_trie
+    from treeattn_lab.distributed import balance as bal
+
+    trie = load_trie("tree_search")
+    fig = viz.draw_partition(trie, bal.balance(trie, 8, "greedy_tokens"))  # ranks split the sibling leaves
+    rollouts = _trace(fig, "rollout labels")
+    assert len(set(rollouts.y)) > len({round(y) for y in rollouts.y})  # a second level below some row
+    assert not _overlaps(_label_boxes(fig))
+
+
 # ------------------------------------------------------------------------------------ masks
 def test_draw_mask_shape_and_values(trie):
     mask = trie.pack().visibility_mask()
@@ -382,6 +471,32 @@ def test_sparse_and_ring_drawings_fit_and_name_their_colours():
     ring = viz.draw_ring_work(works)
     _assert_fits(ring)
     assert ring.layout.legend.orientation == "h"  # the bars' legend below, away from the colour bar
+
+
+@pytest.mark.parametrize("limit", [None, 700])
+def test_sparse_maps_fit_the_output_area_margins_and_colour_bar_included(monkeypatch, limit):
+    """The maps, the pattern and the ring layouts of notebook 05 fit a ~900-px output area, shrink with
+    MAX_FIGURE_WIDTH, and keep their maps square."""
+    from treeattn_lab.lab.viz import sparse_patterns
+    from treeattn_lab.patterns.vertical_slash import synthetic_pattern
+
+    if limit is not None:
+        monkeypatch.setattr(style, "MAX_FIGURE_WIDTH", limit)
+    widest = min(style.MAX_FIGURE_WIDTH, 900)
+    probs = torch.rand(6, 64, 64).tril().softmax(-1)
+    maps = viz.draw_attention_maps(probs, [f"head {i}" for i in range(6)], title="six heads")
+    pattern = synthetic_pattern(256, 2, n_vertical=8, n_slash=16, sinks=4, local=32, block_size=16, seed=0)
+    drawn = viz.draw_pattern(pattern, 256)
+    layouts = viz.draw_layouts(pattern, 256, world=4, layouts=["contiguous", "zigzag", "striped"])
+    for fig in (maps, drawn, layouts):
+        _assert_fits(fig)
+        assert fig.layout.width <= widest
+    m = maps.layout.margin
+    side = (maps.layout.width - m.l - m.r) * (1 - 2 * sparse_patterns.SPACING) / 3
+    assert maps.layout.height - m.t - m.b == pytest.approx(2 * side + 40, abs=1)  # two rows of square maps
+    m = drawn.layout.margin
+    side = (drawn.layout.width - m.l - m.r) * 0.94 / 2  # two maps, 0.06 of the plot width between them
+    assert drawn.layout.height - m.t - m.b == pytest.approx(side, abs=1)
 
 
 def test_bar_labels_leave_the_no_saving_line_to_the_legend(trie):

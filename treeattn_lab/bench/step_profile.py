@@ -4,7 +4,13 @@ What ``bench train --profile`` reports, and what notebook 02 draws."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 
 from ..engine import tree_backward
 from .harness import synchronize
@@ -16,6 +22,34 @@ HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
 # CUDA runtime calls in which the host waits for the GPU.
 DEVICE_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+# Lines the profiler's C++ library (kineto) writes to the process's stderr whenever a trace starts or
+# stops ("USDT:... profiler_start", "STAGE:... Completed Stage: Warm Up"): progress marks, not problems.
+PROFILER_MARKS = re.compile(r"^(USDT|STAGE):")
+
+
+@contextlib.contextmanager
+def profiler_marks_dropped() -> Iterator[None]:
+    """Run the block with file descriptor 2 (the C++ stderr, which a notebook shows in red) sent to a
+    temporary file, then write back to ``sys.stderr`` every line of it but the profiler's progress marks
+    (:data:`PROFILER_MARKS`). Meant for the profiler's start and stop, not for the profiled work."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no file descriptor 2 to redirect: leave stderr as it is
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                if not PROFILER_MARKS.match(line)]
+    if kept:
+        sys.stderr.write("".join(kept))
 
 
 def timed_tree_backward(model, trie, *, mode: str, **engine) -> float:
@@ -34,7 +68,8 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
     CPU tensor as from a device one); on CUDA, device syncs (:data:`DEVICE_SYNC_CALLS`: every host read
     of a device tensor is one, and so is an explicit synchronize), kernel launches, GPU seconds (kernels,
     copies, memsets) and the busy share: GPU seconds / the wall time of the same call run without the
-    profiler (``wall_s``: the shorter of two runs after a warm-up; ``profiled_wall_s`` under it)."""
+    profiler (``wall_s``: the shorter of two runs after a warm-up; ``profiled_wall_s`` under it).
+    The profiler's progress marks on stderr are dropped (:func:`profiler_marks_dropped`)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = next(model.parameters()).device
@@ -44,11 +79,17 @@ def profile_step(model, trie, *, mode: str, **engine) -> dict:
     walls = [timed_tree_backward(model, trie, mode=mode, **engine) for _ in range(3)]
     unprofiled = min(walls[1:])
     model.zero_grad(set_to_none=True)
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with profiler_marks_dropped():
+        prof.start()
+    try:
         t0 = time.perf_counter()
         tree_backward(model, trie, None, mode=mode, **engine)
         synchronize(device)
         wall = time.perf_counter() - t0
+    finally:
+        with profiler_marks_dropped():
+            prof.stop()
     model.zero_grad(set_to_none=True)
     events = profiled_events(prof)
     names = [name for name, _, _ in events]

@@ -12,7 +12,9 @@ timings here compute the same pairs with PyTorch's CPU attention (``scaled_dot_p
   against themselves (causal), then its whole subtree below it (one contiguous range in DFS preorder)
   against its tokens, every part merged by log-sum-exp;
 - :func:`gathered_sparse_attention` computes exactly the block-rounded vertical-slash pairs: per query
-  block, the keys of its selected tiles and its head's columns gathered densely, then one masked product.
+  block, the keys of its selected tiles and its head's columns gathered densely, then one masked product;
+- :func:`blockwise_dilated_attention` computes exactly the dilated pattern's pairs the same way: per query
+  block, the first keys, the strided keys behind the window and the window, gathered.
 
 Both are checked against the einops references in ``tests/test_demos.py``.
 """
@@ -28,17 +30,23 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "blockwise_dilated_attention",
+    "dilated_against_dense",
     "gathered_sparse_attention",
+    "load_logged_tables",
     "nodewise_tree_attention",
     "measured_balance",
     "measured_on",
     "median_seconds",
     "rat_live_config",
     "run_with_progress",
+    "scaled_down",
     "sparse_against_dense",
+    "split_step_time",
     "sparse_gather_plan",
     "threads",
     "time_tree_backends",
+    "token_work",
     "tree_against_flat",
 ]
 
@@ -72,11 +80,55 @@ def threads(count: int | None) -> Iterator[None]:
 
 
 def measured_on(result: dict) -> str:
-    """``"an NVIDIA H200 on 2026-11-30 (torch 2.11, triton 3.6)"``: where a committed result was measured."""
+    """``"an NVIDIA H200 on 2026-11-30 (torch 2.11, triton 3.6)"``: where a committed result was measured
+    (without ``on <date>`` where the result records no time, as a logged run's table does not)."""
     env = result["environment"]
     device = env["device"]
     where = "a CPU" if device == "cpu" else f"an {device}"
-    return f"{where} on {env['time_utc'][:10]} (torch {env['torch']}, triton {env['triton']})"
+    when = f" on {env['time_utc'][:10]}" if env.get("time_utc") else ""
+    return f"{where}{when} (torch {env['torch']}, triton {env['triton']})"
+
+
+def _cell(text: str):
+    """A table cell as a number where it reads as one, else its text."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text
+
+
+def load_logged_tables(bench: str, device: str = "NVIDIA-H200", directory=None) -> dict:
+    """The tables a bench run printed, from its committed log ``bench/results/<bench>__<device>__*.log``
+    (runs kept as a log rather than JSON): ``{"title": the first table's title, "tables": {title: rows},
+    "environment": {"device", "torch", "triton"}}``, the environment read off the file name. Each row is
+    a dict by column header; a cell reads as a float where it is a number, else as its text (``""`` for
+    an empty cell)."""
+    from pathlib import Path
+
+    from ..bench.harness import RESULTS_DIR
+
+    folder = Path(directory) if directory is not None else RESULTS_DIR
+    paths = sorted(folder.glob(f"{bench}__{device}__*.log"))
+    if not paths:
+        raise FileNotFoundError(f"no {bench}__{device}__*.log under {folder}")
+    path = paths[-1]
+    _, dev, torch_tag, triton_tag = path.stem.split("__")
+    environment = {"device": dev.replace("-", " "),
+                   "torch": torch_tag.removeprefix("torch-").replace("-", "+"),
+                   "triton": triton_tag.removeprefix("triton-")}
+    tables: dict[str, list[dict]] = {}
+    title, header = "", None
+    for line in path.read_text().splitlines():
+        if line.startswith("┃"):
+            header = [c.strip() for c in line.strip("┃").split("┃")]
+        elif line.startswith("│") and header:
+            cells = [_cell(c.strip()) for c in line.strip("│").split("│")]
+            tables.setdefault(title, []).append(dict(zip(header, cells, strict=True)))
+        elif line.strip() and line.strip()[0] not in "┏┡└":
+            title, header = line.strip(), None
+    if not tables:
+        raise ValueError(f"{path.name} holds no table")
+    return {"title": next(iter(tables)), "tables": tables, "environment": environment}
 
 
 # -------------------------------------------------------------------------------- tree against flat
@@ -155,6 +207,51 @@ def tree_against_flat(pack, *, heads: int = 4, dim: int = 64, repeats: int = 3, 
             "flat_s": flat_s, "tree_s": tree_s, "speedup": flat_s / tree_s}
 
 
+def scaled_down(trie, factor: int):
+    """A copy of ``trie`` with the same shape at ``1 / factor`` of its tokens: the same rollouts and nodes,
+    each node keeping its first ``ceil(tokens / factor)`` tokens (so siblings still start with different
+    tokens and the radix trie is the same tree), and the token ids renumbered ``0 .. V-1`` in order of
+    first use, so that a small model's vocabulary holds them (``V``: the largest id plus one). Run with
+    the block size and token budget divided by ``factor`` too, a walk over the copy makes as many
+    micro-batches, blocks and model calls as one over ``trie``."""
+    from ..trie import RolloutTrie
+
+    if int(factor) != factor or factor < 1:
+        raise ValueError(f"factor must be an integer >= 1, got {factor!r}")
+    kept = [node.tokens[:-(-len(node.tokens) // int(factor))] for node in trie.nodes]
+    ids: dict[int, int] = {}
+    rollouts = [[ids.setdefault(t, len(ids)) for n in trie.path(trie.seq_end_node[i]) for t in kept[n]]
+                for i in range(trie.num_sequences)]
+    return RolloutTrie.from_sequences(rollouts)
+
+
+def token_work(report) -> float:
+    """A step's model work in trained tokens, from its :class:`~treeattn_lab.engine.TreeBackwardReport`:
+    each token run with autograd counts one, each run without (a dfs push, forward only) its forward
+    share (``engine.time_fit.FORWARD_TOKEN_SHARE``)."""
+    from ..engine.time_fit import FORWARD_TOKEN_SHARE
+
+    return report.grad_tokens + FORWARD_TOKEN_SHARE * report.no_grad_tokens
+
+
+def split_step_time(steps) -> dict | None:
+    """Two steps' seconds split into a fixed cost per aten op and a cost per token of work: the exact
+    solution of ``seconds = per_op_s * aten_ops + per_token_s * work`` for ``steps``, two dicts with
+    ``seconds``, ``aten_ops`` and ``work`` (:func:`token_work`). Returns both costs and each step's
+    ``op_share`` (the part of its seconds the ops' fixed cost explains), or None where the two steps
+    do not pin down positive costs (proportional rows, or timings too noisy to tell)."""
+    a, b = steps
+    det = a["aten_ops"] * b["work"] - b["aten_ops"] * a["work"]
+    if det == 0:
+        return None
+    per_op = (a["seconds"] * b["work"] - b["seconds"] * a["work"]) / det
+    per_token = (b["seconds"] * a["aten_ops"] - a["seconds"] * b["aten_ops"]) / det
+    if per_op <= 0 or per_token <= 0:
+        return None
+    return {"per_op_s": per_op, "per_token_s": per_token,
+            "op_share": [per_op * s["aten_ops"] / s["seconds"] for s in steps]}
+
+
 # ------------------------------------------------------------------------------ sparse against dense
 def sparse_gather_plan(pattern, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per query block, the key positions each head computes (``[H, width]``, padded to the busiest head)
@@ -229,6 +326,62 @@ def sparse_against_dense(pattern, num_tokens: int, *, dim: int = 64, kv_heads: i
     density = pattern.density(num_tokens)
     return {"tokens": num_tokens, "density": density, "ideal": 1 / density, "dense_s": dense_s,
             "sparse_s": sparse_s, "speedup": dense_s / sparse_s}
+
+
+# ---------------------------------------------------------------------------- dilated against dense
+def blockwise_dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern, *,
+                                block: int = 256) -> torch.Tensor:
+    """Attention of ``q [N, Hq, D]`` over ``k, v [N, Hkv, D]`` under a
+    :class:`~treeattn_lab.patterns.dilated.DilatedPattern`, block by block of queries: each block gathers
+    only the keys some query of it may see (the first ``P``, the strided ones behind the window, the
+    window) and attends them in one masked ``scaled_dot_product_attention`` (``pattern.visible``). Work
+    grows with the pattern's pairs, about ``N^2 / (2 D)`` plus the window's, not with ``N^2``."""
+    n, hq, _ = q.shape
+    D, W, P = pattern.dilation, pattern.window, pattern.initial
+    qh, kh, vh = (x.transpose(0, 1) for x in (q, _heads_of(k, hq), _heads_of(v, hq)))  # [H, N, d]
+    outs = []
+    for q0 in range(0, n, block):
+        q1 = min(n, q0 + block)
+        lo = max(0, q0 - W)
+        strided = torch.arange(D - 1, max(D - 1, lo), D)  # every D-th key before the block's window
+        keys = torch.cat([torch.arange(min(P, lo)), strided[strided >= min(P, lo)], torch.arange(lo, q1)])
+        keys = keys.to(q.device)
+        mask = pattern.visible(torch.arange(q0, q1, device=q.device)[:, None], keys[None, :])  # [bq, width]
+        outs.append(F.scaled_dot_product_attention(qh[:, q0:q1], kh[:, keys], vh[:, keys], attn_mask=mask))
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def dilated_against_dense(
+    pattern, num_tokens: int, *, heads: int = 4, kv_heads: int | None = None, dim: int = 64, repeats: int = 3,
+    seed: int = 0, num_threads: int | None = 1,
+) -> dict:
+    """Dense causal attention against dilated attention under ``pattern`` on this machine (forward, fp32,
+    random inputs of ``num_tokens``): the times of ``scaled_dot_product_attention`` and of
+    :func:`blockwise_dilated_attention`, and the bytes of the keys and values a decoder keeps after
+    ``num_tokens`` tokens, all of them against a
+    :class:`~treeattn_lab.ops.dilated_decode.DilatedKVCache`'s. Returns both times, ``speedup``, ``ideal``
+    (dense causal pairs / the pattern's pairs), both cache sizes and ``cache_ratio``. Timed on
+    ``num_threads`` threads, as :func:`tree_against_flat`."""
+    from ..ops.dilated_decode import DilatedKVCache
+
+    kv_heads = kv_heads or heads
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, heads, dim, generator=gen)
+    k, v = (torch.randn(num_tokens, kv_heads, dim, generator=gen) for _ in range(2))
+    with torch.no_grad(), threads(num_threads):
+        dense = [x.transpose(0, 1)[None] for x in (q, _heads_of(k, heads), _heads_of(v, heads))]
+        dense_s = median_seconds(lambda: F.scaled_dot_product_attention(*dense, is_causal=True),
+                                 repeats=repeats)
+        dilated_s = median_seconds(lambda: blockwise_dilated_attention(q, k, v, pattern), repeats=repeats)
+    cache = DilatedKVCache(dilation=pattern.dilation, window=pattern.window, initial=pattern.initial)
+    cache.extend(k, v)
+    kept = [getattr(cache, f"{part}_{x}") for part in ("initial", "window", "compact") for x in "kv"]
+    dilated_bytes = sum(x.numel() * x.element_size() for x in kept)
+    dense_bytes = 2 * k.numel() * k.element_size()
+    return {"tokens": num_tokens, "ideal": num_tokens * (num_tokens + 1) / 2 / pattern.num_pairs(num_tokens),
+            "dense_s": dense_s, "dilated_s": dilated_s, "speedup": dense_s / dilated_s,
+            "dense_cache_bytes": dense_bytes, "dilated_cache_bytes": dilated_bytes,
+            "cache_ratio": dense_bytes / dilated_bytes}
 
 
 # ------------------------------------------------------------------------------ balance, measured

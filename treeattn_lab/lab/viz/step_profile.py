@@ -34,6 +34,7 @@ from .style import (
     fit_title,
     labelled_bar,
 )
+from .trie_labels import count_label
 
 PROFILED_MODES = ("packed", "dfs")  # the modes whose calls are counted: one trie per micro-batch
 REQUIRED = ("machine", "mode", "aten_ops", "wall_s", "model_calls")
@@ -120,7 +121,8 @@ def _check_rows(rows: Sequence[Mapping]) -> None:
 
 
 def _mode_bars(fig, col: int, mode: str, modes, xs, ys, labels, hover: str, **trace) -> None:
-    """One mode's bars in panel ``col``, in the mode's colour, each labelled above it."""
+    """One mode's bars in panel ``col``, in the mode's colour, each labelled above it at a size that
+    stays legible (labels are short: :func:`~.trie_labels.count_label`)."""
     fig.add_trace(
         labelled_bar(
             xs,
@@ -130,6 +132,7 @@ def _mode_bars(fig, col: int, mode: str, modes, xs, ys, labels, hover: str, **tr
             legendgroup=mode,
             marker_color=MODE_COLORS.get(mode, PALETTE[modes.index(mode) % len(PALETTE)]),
             textfont=dict(size=10),
+            constraintext="none",
             hovertemplate=f"{mode}<br>%{{x}}: {hover}<extra></extra>",
             **trace,
         ),
@@ -148,20 +151,17 @@ def _add_count_bars(fig, rows, machines, modes) -> None:
         bars = [(label, by[(m, mode)].get(key)) for label, m, key in groups if (m, mode) in by]
         bars = [(label, y) for label, y in bars if y is not None]
         xs, ys = [b[0] for b in bars], [b[1] for b in bars]
-        _mode_bars(fig, 1, mode, modes, xs, ys, [f"{y:,.0f}" for y in ys], "%{y:,}")
-
-
-def _calls(n: int) -> str:
-    return f"{n:,} call" if n == 1 else f"{n:,} calls"
+        _mode_bars(fig, 1, mode, modes, xs, ys, [count_label(round(y)) for y in ys], "%{y:,}")
 
 
 def _add_per_call_bars(fig, rows, machines, modes) -> None:
-    """Middle panel: aten ops per model call, labelled with the number of calls."""
+    """Middle panel: aten ops per model call, labelled with the number of calls (``x 51``)."""
     by = {(r["machine"], r["mode"]): r for r in rows}
     for mode in modes:
         picked = [by[(m, mode)] for m in machines if (m, mode) in by]
         ys = [r["aten_ops"] / r["model_calls"] for r in picked]
-        labels = [f"{y:,.0f}<br>x {_calls(r['model_calls'])}" for y, r in zip(ys, picked, strict=True)]
+        labels = [f"{count_label(round(y))}<br>x {r['model_calls']:,}"
+                  for y, r in zip(ys, picked, strict=True)]
         _mode_bars(
             fig,
             2,
@@ -267,7 +267,7 @@ def draw_step_profile(rows: Sequence[Mapping], *, title: str | None = None) -> g
         cols=3,
         horizontal_spacing=0.09,
         column_widths=[0.38, 0.28, 0.34],
-        subplot_titles=("operations per step", "aten ops per model call", f"wall time / {base_mode}'s"),
+        subplot_titles=("operations per step", "aten ops per call (x calls)", f"wall time / {base_mode}'s"),
     )
     _add_count_bars(fig, rows, machines, modes)
     _add_per_call_bars(fig, rows, machines, modes)

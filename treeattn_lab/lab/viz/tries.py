@@ -3,6 +3,9 @@
 - :func:`draw_trie`: the trie, marker area by token count, optionally one rollout highlighted or the
   nodes coloured by category (a micro-batch, a rank). A wide trie stays readable: markers shrink to the
   room each leaf has, and sibling leaves are bundled into one marker once there are too many to draw.
+  Every node is labelled without hovering: beside it its token ids (a trie of short nodes) or its token
+  count, below a leaf the rollouts that end there (``r3``); a label is shortened until it fits the room
+  beside or below its node (:mod:`.trie_labels`), and left out only where even the shortest does not.
 - :func:`tree_layout` / :func:`bfs_nodes` / :func:`node_size`: the layout pieces, reused by the drawings
   of the DFS engine's blocks.
 
@@ -18,7 +21,18 @@ from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from .style import DIMMED_COLOR, EDGE_COLOR, HIGHLIGHT_COLOR, NODE_COLOR, PALETTE, ROOT_COLOR, legend_entry
+from .style import (
+    DIMMED_COLOR,
+    EDGE_COLOR,
+    HIGHLIGHT_COLOR,
+    LINE_PX,
+    NODE_COLOR,
+    PALETTE,
+    ROOT_COLOR,
+    fit_title,
+    legend_entry,
+)
+from .trie_labels import TOKENS_SHOWN, label_traces, node_labels
 
 if TYPE_CHECKING:  # pragma: no cover
     import networkx
@@ -26,9 +40,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ...trie import RolloutTrie
 
 _MAX_ENDS_SHOWN = 12
-PLOT_WIDTH_PX = 860  # the plot area's width in a notebook (the figure autosizes to the output area)
+PLOT_WIDTH_PX = 830  # the plot area of a trie drawing autosized to a ~930-px output area (margins 60, 40)
 MAX_MARKER_PX = 40  # no node marker is drawn wider than this, however many tokens it holds
 MIN_MARKER_PX = 4
+ROW_PX = 60  # the height of one depth row
 
 
 def bfs_nodes(graph: networkx.DiGraph, root: Hashable = 0, limit: int | None = None) -> list:
@@ -102,6 +117,12 @@ def _marker_scale(sizes: list[float], num_leaves: int) -> float:
     return min(1.0, room / max(sizes))
 
 
+def _diameter(num_tokens: float, scale: float) -> float:
+    """A drawn marker's diameter in pixels: :func:`node_size` shrunk by ``scale``, never below
+    :data:`MIN_MARKER_PX`."""
+    return max(MIN_MARKER_PX, scale * node_size(num_tokens))
+
+
 def _hover(node: int, attrs: dict, hidden_children: int) -> str:
     ends = attrs["ends"]
     if not ends:
@@ -162,7 +183,7 @@ def _node_trace(full, graph, kept, pos, highlighted: set, color_by, cat_color, s
         text=[_hover(n, full.nodes[n], full.out_degree(n) - graph.out_degree(n)) for n in kept],
         hovertemplate="%{text}<extra></extra>",
         marker=dict(
-            size=[max(MIN_MARKER_PX, scale * node_size(full.nodes[n]["num_tokens"])) for n in kept],
+            size=[_diameter(full.nodes[n]["num_tokens"], scale) for n in kept],
             color=colors,
             line=dict(width=[2.5 if n in highlighted else 0.5 for n in kept], color="#333333"),
             opacity=0.95,
@@ -183,21 +204,16 @@ def _bundle_trace(full, bundles: dict, pos, colors: dict, scale: float) -> go.Sc
     return go.Scatter(
         x=[pos[k][0] for k in keys],
         y=[pos[k][1] for k in keys],
-        mode="markers+text",
+        mode="markers",  # its "xN" is drawn with the leaves' labels
         name="bundled leaves",
         showlegend=False,
         customdata=[list(bundles[k]) for k in keys],
         text=[f"x{len(bundles[k])}" for k in keys],
-        textposition="bottom center",
-        textfont=dict(size=10, color="#555555"),
         hovertext=text,
         hovertemplate="%{hovertext}<extra></extra>",
         marker=dict(
             symbol="diamond",
-            size=[
-                max(MIN_MARKER_PX, scale * node_size(t / len(bundles[k])))
-                for k, t in zip(keys, tokens, strict=True)
-            ],
+            size=[_diameter(t / len(bundles[k]), scale) for k, t in zip(keys, tokens, strict=True)],
             color=[colors[k] for k in keys],
             line=dict(width=0.5, color="#333333"),
             opacity=0.95,
@@ -217,9 +233,8 @@ def _edge_trace(xs, ys, name: str, color: str, width: float) -> go.Scatter:
     )
 
 
-def _trie_layout(fig, trie, title, shown: int, truncated: bool, depth: int, categories, bundled: int) -> None:
+def _subtitle(trie, shown: int, truncated: bool, bundled: int, by_ids: bool) -> str:
     s = trie.stats()
-    head = title or "Rollout trie"
     sub = (
         f"{s['num_sequences']} sequences, {s['num_nodes']} nodes, "
         f"{s['flat_tokens']} flat -> {s['tree_tokens']} tree tokens (x{s['token_ratio']:.2f})"
@@ -228,22 +243,34 @@ def _trie_layout(fig, trie, title, shown: int, truncated: bool, depth: int, cate
         sub += f"; showing the first {shown} of {s['num_nodes']} nodes (BFS)"
     if bundled:
         sub += f"; each diamond bundles N sibling leaves (xN), {bundled} in all"
+    sub += "; beside a node its " + ("token ids" if by_ids else "token count") + ", rN: rollout N ends there"
+    return sub
+
+
+def _trie_layout(fig, title: str, sub: str, depth: int, categories, x_range, rows_px: float) -> float:
+    """Title, axes and size of a trie drawing whose depth rows take ``rows_px`` pixels; returns the
+    pixels per depth row."""
+    text, lines = fit_title(f"{title}<br><sup>{sub}</sup>", PLOT_WIDTH_PX + 80)
+    top, bottom = 30 + LINE_PX * lines, 60 if categories else 20
+    px_per_y = (rows_px - 50) / max(depth, 1)
     fig.update_layout(
-        title=dict(text=f"{head}<br><sup>{sub}</sup>"),
+        title=dict(text=text),
         template="plotly_white",
         hovermode="closest",
-        xaxis=dict(visible=False),
+        xaxis=dict(visible=False, range=list(x_range)),
         yaxis=dict(
             title="node depth (edges from the root)",
             tickvals=[-d for d in range(depth + 1)],
             ticktext=[str(d) for d in range(depth + 1)],
             zeroline=False,
             showgrid=False,
+            range=[-depth - 38 / px_per_y, 12 / px_per_y],
         ),
-        height=max(320, min(900, 140 + 60 * (depth + 1))),
-        margin=dict(l=60, r=20, t=80, b=60 if categories else 30),
+        height=int(top + bottom + rows_px),
+        margin=dict(l=60, r=40, t=top, b=bottom),
         legend=dict(title="category", orientation="h", x=0, y=0, yanchor="top") if categories else None,
     )
+    return px_per_y
 
 
 def draw_trie(
@@ -311,10 +338,20 @@ def draw_trie(
     for c in categories:  # legend-only entries, so the colours can be read
         fig.add_trace(legend_entry(str(c), dict(size=10, color=cat_color[c]), showlegend=True))
     depth = int(max(-y for _, y in pos.values()))
-    bundled = sum(len(m) for m in bundles.values())
-    _trie_layout(
-        fig, trie, title, len(kept) - 1, len(kept) < full.number_of_nodes(), depth, categories, bundled
-    )
+    slots = max(1, sum(1 for n in drawn if drawn.out_degree(n) == 0))
+    x_range = (-0.8, slots - 0.2)  # a leaf's slot is one unit, and the rows' ends have some air
+    px_per_x = PLOT_WIDTH_PX / (x_range[1] - x_range[0])
+    by_ids = all(len(trie.nodes[n].tokens) <= TOKENS_SHOWN for n in singles if n != 0)
+    sub = _subtitle(trie, len(kept) - 1, len(kept) < full.number_of_nodes(), sum(map(len, bundles.values())),
+                    by_ids)
+    rows_px = max(200, min(760, ROW_PX * depth + 60))
+    px_per_y = _trie_layout(fig, title or "Rollout trie", sub, depth, categories, x_range, rows_px)
+    radius = {n: _diameter(full.nodes[n]["num_tokens"], scale) / 2 for n in singles}
+    for k, m in bundles.items():
+        radius[k] = _diameter(sum(full.nodes[n]["num_tokens"] for n in m) / len(m), scale) / 2
+    labels = node_labels(trie, full, drawn, pos, radius, px_per_x=px_per_x, x_lo=x_range[0],
+                         x_hi=x_range[1] + 36 / px_per_x, bundles=bundles)  # beside: into the right margin
+    fig.add_traces(label_traces(labels, pos, radius, px_per_x=px_per_x, px_per_y=px_per_y))
     return fig
 
 
