@@ -30,10 +30,11 @@ retrieval within 5 points of dense; sparse at least 10 points above the window; 
 model retrieves (``DENSE_RETRIEVAL_FLOOR``); otherwise they are recorded with ``met: None``. The means
 over seeds and the targets are computed in :mod:`.sparse_training_targets`.
 
-The settings and the modes live in :mod:`.sparse_training_config`. Modes: ``tiny`` (the test and
-notebook 05, well under a minute on a CPU), ``quick`` (minutes per seed on a CPU; the dense model learns
-the passkey), ``smoke`` (the full mode's model and kernels on a GPU at 4K tokens, a few steps), ``full``
-(one H200: bf16 autocast, 32K tokens). Seeds are independent: run them in one process or one process
+The settings and the modes live in :mod:`.sparse_training_config`. Modes: ``tiny`` (the tests: the whole
+protocol in seconds on a CPU, too short for a model to learn the passkey), ``quick`` (minutes per seed on
+a CPU; the dense model learns the passkey; notebook 05 reads its committed run), ``smoke`` (the full
+mode's model and kernels on a GPU at 4K tokens, a few steps), ``full`` (one H200: bf16 autocast, 32K
+tokens; notebook 05 reads its committed run). Seeds are independent: run them in one process or one process
 each and join the JSON files with ``--merge``. On a CPU shared with other work, ``OMP_NUM_THREADS=1``
 keeps the small matrix products from competing for cores.
 

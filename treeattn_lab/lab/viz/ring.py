@@ -15,10 +15,13 @@ from plotly.subplots import make_subplots
 
 from .style import PALETTE, fit_width, labelled_bar, legend_entry, stepped_colorscale
 
+LAYOUT_PX = 260  # the width one layout's map asks for (three fit the output area with the margins)
+
 
 def draw_layouts(pattern, num_tokens: int, world: int, layouts: Sequence[str], *, head: int = 0) -> go.Figure:
     """Per layout, head ``head``'s selected tiles coloured by the rank that computes them (its query
-    block's owner); the strip above each map shows which rank holds each block of tokens."""
+    block's owner); the strip above each map shows which rank holds each block of tokens. The figure is at
+    most :data:`~.style.MAX_FIGURE_WIDTH` wide, its legend below the maps."""
     from ...distributed.layouts import block_owner
 
     tiles = pattern.block_map(num_tokens)[head]
@@ -54,7 +57,7 @@ def draw_layouts(pattern, num_tokens: int, world: int, layouts: Sequence[str], *
     for r in range(world):  # a heatmap of ranks names no colour itself
         marker = dict(symbol="square", size=12, color=PALETTE[r % len(PALETTE)])
         fig.add_trace(legend_entry(f"rank {r}", marker, showlegend=True), row=2, col=1)
-    width = fit_width(300 * len(layouts) + 80)
+    width = fit_width(LAYOUT_PX * len(layouts) + 80)
     fig.update_layout(
         title=f"Who computes which tile ({world} ranks)",
         template="plotly_white",

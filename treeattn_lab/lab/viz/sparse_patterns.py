@@ -16,16 +16,29 @@ from plotly.subplots import make_subplots
 from .style import LOG_AXIS, MASK_COLORSCALE, fit_title, fit_width
 
 MAPS_PER_ROW = 3
+MAP_PX = 240  # the side a map asks for; the figure is capped at MAX_FIGURE_WIDTH and the maps shrink to fit
+SPACING = 0.04  # between maps, a share of the plot width
+PATTERN_WIDTH = 840  # draw_pattern's two maps side by side, margins included
 
 
 def draw_attention_maps(probs: torch.Tensor, titles: Sequence[str], *, title: str | None = None) -> go.Figure:
     """``probs [n, N, N]`` attention maps, up to :data:`MAPS_PER_ROW` a row, coloured by log10 probability
-    (floor 1e-4) on one colour bar beside the maps."""
+    (floor 1e-4) on one colour bar in the right margin. The figure is at most
+    :data:`~.style.MAX_FIGURE_WIDTH` wide, margins and colour bar included, and as tall as its square maps
+    need."""
     n = probs.shape[0]
     cols = min(n, MAPS_PER_ROW)
     rows = -(-n // cols)
+    width = fit_width(MAP_PX * cols + 140)
+    left, right, bottom, gap = 50, 90, 30, 40  # the right margin holds the colour bar
+    side = (width - left - right) * (1 - SPACING * (cols - 1)) / cols  # each map square
+    plot_height = rows * side + (rows - 1) * gap
     fig = make_subplots(
-        rows=rows, cols=cols, subplot_titles=list(titles), horizontal_spacing=0.04, vertical_spacing=0.1
+        rows=rows,
+        cols=cols,
+        subplot_titles=list(titles),
+        horizontal_spacing=SPACING,
+        vertical_spacing=gap / plot_height if rows > 1 else 0.0,
     )
     z = torch.log10(probs.float().clamp_min(1e-4)).numpy()
     for i in range(n):
@@ -42,6 +55,7 @@ def draw_attention_maps(probs: torch.Tensor, titles: Sequence[str], *, title: st
                     tickvals=[-4, -3, -2, -1, 0],
                     ticktext=["10<sup>-4</sup>", "10<sup>-3</sup>", "0.01", "0.1", "1"],
                     len=min(1.0, 0.8 / rows + 0.2),
+                    thickness=16,
                     x=1.02,
                 ),
                 hovertemplate="query %{y}, key %{x}: 10^%{z:.2f}<extra></extra>",
@@ -56,21 +70,21 @@ def draw_attention_maps(probs: torch.Tensor, titles: Sequence[str], *, title: st
             col=i % cols + 1,
             showticklabels=i % cols == 0,
         )
-    width = fit_width(260 * cols + 180)
     text, lines = fit_title(title, width) if title else ("", 0)
     top = 50 + 22 * lines
     fig.update_layout(
         title=dict(text=text) if title else None,
         template="plotly_white",
-        height=top + 290 * rows,
+        height=int(top + plot_height + bottom),
         width=width,
-        margin=dict(l=50, r=90, t=top, b=30),
+        margin=dict(l=left, r=right, t=top, b=bottom),
     )
     return fig
 
 
 def draw_pattern(pattern, num_tokens: int, head: int = 0, *, title: str | None = None) -> go.Figure:
-    """One head: its lines (vertical columns and slashes) and the block-rounded pairs the kernel computes."""
+    """One head: its lines (vertical columns and slashes) and the block-rounded pairs the kernel computes,
+    two square maps side by side in at most :data:`~.style.MAX_FIGURE_WIDTH`."""
     lines = pattern.line_mask(num_tokens)[head].to(torch.uint8).numpy()
     dense = pattern.dense_mask(num_tokens)[head].to(torch.uint8).numpy()
     causal = num_tokens * (num_tokens + 1) // 2
@@ -87,14 +101,17 @@ def draw_pattern(pattern, num_tokens: int, head: int = 0, *, title: str | None =
             col=i + 1,
         )
         fig.update_yaxes(autorange="reversed", scaleanchor=f"x{'' if i == 0 else 2}", row=1, col=i + 1)
-    text, n_lines = fit_title(title or f"head {head}", 860)
+    width = fit_width(PATTERN_WIDTH)
+    left, right, bottom = 40, 20, 30
+    side = (width - left - right) * (1 - 0.06) / 2  # each map square, 0.06 of the plot width between them
+    text, n_lines = fit_title(title or f"head {head}", width)
     top = 60 + 22 * n_lines  # the title, then two lines of subplot title
     fig.update_layout(
         title=dict(text=text),
         template="plotly_white",
-        height=350 + top,
-        width=860,
-        margin=dict(l=40, r=20, t=top, b=30),
+        height=int(top + side + bottom),
+        width=width,
+        margin=dict(l=left, r=right, t=top, b=bottom),
     )
     return fig
 
