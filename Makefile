@@ -11,8 +11,9 @@
 # site-packages. Otherwise: a CUDA build from PyPI where an NVIDIA GPU is present, else the CPU build
 # (a local wheel when pip's find-links has one, else the CPU index) so CPU machines never pull CUDA wheels.
 
+SHELL := /bin/bash
 PYTHON ?= python3
-VENV ?= .venv
+VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_CPU_VERSION ?= 2.13.0
@@ -95,10 +96,11 @@ BINDER_VENV := .venv-binder
 $(BINDER_VENV)/.binder: binder/requirements.txt binder/postBuild pyproject.toml
 	rm -rf $(BINDER_VENV)
 	$(PYTHON) -m venv $(BINDER_VENV)
-	PIP_RETRIES=0 $(BINDER_VENV)/bin/python -m pip --disable-pip-version-check install -q \
-	  -r binder/requirements.txt 2>&1 | grep -v -e "is ignored" -e "Retrying" || true
-	PATH="$(abspath $(BINDER_VENV))/bin:$$PATH" bash binder/postBuild 2>&1 | grep -v "is ignored" || true
-	@touch $@
+	set -o pipefail; PIP_RETRIES=0 $(BINDER_VENV)/bin/python -m pip --disable-pip-version-check install -q \
+	  -r binder/requirements.txt 2>&1 | { grep -v -e "is ignored" -e "Retrying" || true; }
+	set -o pipefail; PATH="$(abspath $(BINDER_VENV))/bin:$$PATH" bash binder/postBuild 2>&1 \
+	  | { grep -v "is ignored" || true; }
+	@$(BINDER_VENV)/bin/python -c "import treeattn_lab, jupyterlab, plotly, ipywidgets, anywidget" && touch $@
 
 bare-venvs: $(BINDER_VENV)/.binder
 	@$(MAKE) --no-print-directory VENV=$(LAB_VENV) $(LAB_VENV)/.lab

@@ -48,58 +48,74 @@ import torch
 from treeattn_lab import RolloutTrie, tree_attention
 from treeattn_lab.runtime import environment_report
 
+device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on a CPU
 trie = RolloutTrie.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9, 10], [11, 12]])
 pack = trie.pack()
 torch.manual_seed(0)
-q, k, v = (torch.randn(pack.num_tokens, 2, 16, requires_grad=True) for _ in range(3))
-out = tree_attention(q, k, v, pack, backend="triton")
+q, k, v = (torch.randn(pack.num_tokens, 2, 16).to(device).requires_grad_() for _ in range(3))
+out = tree_attention(q, k, v, pack.to(device), backend="triton")
 out.square().sum().backward()
 grads = [x.grad for x in (q, k, v)]
-ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+ref_inputs = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
 ref = tree_attention(*ref_inputs, pack, backend="reference")
 ref.square().sum().backward()
 expected = [ref, *(x.grad for x in ref_inputs)]
-worst = max(float((a.double() - b).abs().max()) for a, b in zip([out, *grads], expected))
+worst = max(float((a.cpu().double() - b).abs().max()) for a, b in zip([out, *grads], expected))
 print(environment_report()["triton_mode"], worst)
 """
+
+
+def _under_ci() -> bool:
+    return bool(os.environ.get("CI")) or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1"
 
 
 def _python(venv: str) -> str:
     path = os.environ.get(VENVS[venv])
     if not path:
-        if os.environ.get("CI") or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1":
+        if _under_ci():
             pytest.fail(f"{VENVS[venv]} is not set: `make test` builds the {venv} venv and sets it")
         pytest.skip(f"{VENVS[venv]} is not set (`make test` builds the {venv} venv)")
     if not Path(path).is_file():
         pytest.fail(f"{VENVS[venv]}={path}: no such interpreter")
+    config = (Path(path).parents[1] / "pyvenv.cfg").read_text()
+    if "include-system-site-packages = true" in config:  # `make lab` on a python that has torch
+        why = f"the {venv} venv sees the system's site-packages, so it cannot show what it lacks"
+        if _under_ci():
+            pytest.fail(why)
+        pytest.skip(why)
     return path
 
 
-def _run(python: str, *args: str, env: dict | None = None) -> str:
-    """stdout of ``python *args`` in the repository; a failure shows its stderr."""
+def _run(python: str, *args: str, cwd: Path, env: dict | None = None) -> str:
+    """stdout of ``python *args`` in ``cwd`` (outside the checkout, so the installed package is what runs),
+    with Jupyter's folders in ``cwd`` too (no kernel spec of the user's own); a failure shows its stderr."""
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    done = subprocess.run([python, *args], cwd=REPO, capture_output=True, text=True, timeout=RUN_S,
-                          env={**clean, **(env or {})})
+    jupyter = {"JUPYTER_PATH": str(cwd / "jupyter"), "JUPYTER_DATA_DIR": str(cwd / "jupyter"),
+               "JUPYTER_CONFIG_DIR": str(cwd / "jupyter-config"), "JUPYTER_RUNTIME_DIR": str(cwd / "runtime")}
+    done = subprocess.run([python, *args], cwd=cwd, capture_output=True, text=True, timeout=RUN_S,
+                          env={**clean, **jupyter, **(env or {})})
     assert done.returncode == 0, f"{python} {' '.join(args)[:80]} failed:\n{done.stderr[-4000:]}"
     return done.stdout
 
 
 @pytest.mark.parametrize("venv", VENVS)
-def test_the_venv_is_bare_and_every_module_imports(venv):
+def test_the_venv_is_bare_and_every_module_imports(venv, tmp_path):
     python = _python(venv)
-    found = _run(python, "-c", f"import importlib.util as u;print([m for m in {DEV_ONLY} if u.find_spec(m)])")
-    assert found.strip() == "[]", f"the {venv} venv has dev tools ({found.strip()}): not what a learner gets"
-    missing = json.loads(_run(python, "-c", IMPORT_EVERY_MODULE).strip().splitlines()[-1])
+    probe = f"import importlib.util as u; print([m for m in {DEV_ONLY} if u.find_spec(m)])"
+    found = _run(python, "-c", probe, cwd=tmp_path).strip()
+    assert found == "[]", f"the {venv} venv has dev tools ({found}): not what a learner gets"
+    missing = json.loads(_run(python, "-c", IMPORT_EVERY_MODULE, cwd=tmp_path).strip().splitlines()[-1])
     undeclared = {mod: name for mod, name in missing.items() if name.split(".")[0] not in EXTRA_ONLY}
     assert not undeclared, f"the {venv} venv lacks modules the package imports: {undeclared}"
 
 
 @pytest.mark.parametrize("venv", VENVS)
-def test_info_and_a_triton_kernel_run(venv):
+def test_info_and_a_triton_kernel_run(venv, tmp_path):
     python = _python(venv)
-    info = _run(python, "-m", "treeattn_lab", "info")
+    info = _run(python, "-m", "treeattn_lab", "info", cwd=tmp_path)
     assert "triton_mode" in info and "tree_attention_backends" in info, info
-    mode, worst = _run(python, "-c", TRITON_AGAINST_REFERENCE).strip().splitlines()[-1].rsplit(" ", 1)
+    last = _run(python, "-c", TRITON_AGAINST_REFERENCE, cwd=tmp_path).strip().splitlines()[-1]
+    mode, worst = last.rsplit(" ", 1)
     assert float(worst) < 1e-4, f"the Triton kernel ({mode}) is {worst} from its reference in the {venv} venv"
 
 
@@ -109,8 +125,8 @@ def test_notebook_00_runs_in_the_venv(venv, tmp_path):
     python = _python(venv)
     out = tmp_path / "00_welcome.ipynb"  # executed into a copy: the committed notebook stays clean
     _run(python, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", f"--output-dir={tmp_path}",
-         "--ExecutePreprocessor.kernel_name=python3", "notebooks/00_welcome.ipynb",
-         env={"TREEATTN_QUICK": "1"})
+         "--ExecutePreprocessor.kernel_name=python3", str(REPO / "notebooks" / "00_welcome.ipynb"),
+         cwd=tmp_path, env={"TREEATTN_QUICK": "1"})
     cells = [c for c in json.loads(out.read_text())["cells"] if c["cell_type"] == "code"]
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors and all(c.get("execution_count") for c in cells), errors

@@ -60,13 +60,17 @@ def count_digest_exchanges(*, calls: int = 3, fault_rank: int | None = None, tok
 
 
 @pytest.mark.xdist_group("ring")
-def test_two_ranks_every_layout_and_the_triton_steps():
+def test_two_ranks_every_layout():
     cases = [dict(layout=layout) for layout in ("striped", "zigzag", "contiguous")]
-    if triton_interpreted():  # gloo ranks hold CPU tensors, which Triton runs only in its interpreter
-        cases.append(dict(layout="striped", tokens=128, backend="triton", dtype=torch.float32))
-    results = run_spawned(2, cases, timeout=900)
-    _assert_close([r[:3] for r in results], TOL)
-    _assert_close([r[3:] for r in results], TRITON_TOL)
+    _assert_close(run_spawned(2, cases, timeout=900), TOL)
+
+
+@pytest.mark.xdist_group("ring")
+@pytest.mark.skipif(not triton_interpreted(), reason="gloo ranks hold CPU tensors, which Triton runs only in "
+                    "its interpreter; on a GPU the Triton ring runs over NCCL in `bench sparse --ring`")
+def test_two_ranks_run_the_triton_steps():
+    cases = [dict(layout="striped", tokens=128, backend="triton", dtype=torch.float32)]
+    _assert_close(run_spawned(2, cases, timeout=900), TRITON_TOL)
 
 
 @pytest.mark.xdist_group("ring")

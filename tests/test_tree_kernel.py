@@ -209,7 +209,8 @@ def _rounding_bounds(pack, inputs, do) -> list[torch.Tensor]:
     dot, then the result is rounded once more when stored. Two kernels therefore agree within
     ``2 u (M + |x|)``: ``u`` the dtype's unit roundoff, ``M`` the same sum over absolute values (float64),
     ``|x|`` the float64 result. Sums that cancel (``|x|`` far below ``M``) are why a bound relative to
-    ``|x|`` alone fails for float16."""
+    ``|x|`` alone fails for float16. ``dS = P (dP - delta)`` cancels itself, and each kernel takes
+    ``delta = rowsum(dO O)`` from its own rounded ``O``, so dq's and dk's sizes use ``P (|dP| + |delta|)``."""
     q, k, v, dout = (x.double() for x in (*inputs, do))
     group = q.shape[1] // k.shape[1]
     kk, vv = (x.repeat_interleave(group, dim=1) for x in (k, v))
@@ -217,15 +218,16 @@ def _rounding_bounds(pack, inputs, do) -> list[torch.Tensor]:
     p = (torch.einsum("qhd,khd->hqk", q, kk) * scale).masked_fill(~pack.visibility_mask(), float("-inf"))
     p = p.softmax(-1)
     out = torch.einsum("hqk,khd->qhd", p, vv)
-    ds = p * (torch.einsum("qhd,khd->hqk", dout, vv) - (out * dout).sum(-1).T[:, :, None])
+    dp, delta = torch.einsum("qhd,khd->hqk", dout, vv), (out * dout).sum(-1).T[:, :, None]
+    ds, ds_size = p * (dp - delta), p * (dp.abs() + (out.abs() * dout.abs()).sum(-1).T[:, :, None])
     per_kv_head = lambda x: x.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731
     u = torch.finfo(inputs[0].dtype).eps / 2
     results = [out, torch.einsum("hqk,khd->qhd", ds, kk) * scale,
                per_kv_head(torch.einsum("hqk,qhd->khd", ds, q) * scale),
                per_kv_head(torch.einsum("hqk,qhd->khd", p, dout))]
     magnitudes = [torch.einsum("hqk,khd->qhd", p, vv.abs()),
-                  torch.einsum("hqk,khd->qhd", ds.abs(), kk.abs()) * scale,
-                  per_kv_head(torch.einsum("hqk,qhd->khd", ds.abs(), q.abs()) * scale),
+                  torch.einsum("hqk,khd->qhd", ds_size, kk.abs()) * scale,
+                  per_kv_head(torch.einsum("hqk,qhd->khd", ds_size, q.abs()) * scale),
                   per_kv_head(torch.einsum("hqk,qhd->khd", p, dout.abs()))]
     return [2 * u * (m + x.abs()) for x, m in zip(results, magnitudes, strict=True)]
 

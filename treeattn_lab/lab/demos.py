@@ -16,7 +16,7 @@ timings here compute the same pairs with PyTorch's CPU attention (``scaled_dot_p
 - :func:`blockwise_dilated_attention` computes exactly the dilated pattern's pairs the same way: per query
   block, the first keys, the strided keys behind the window and the window, gathered.
 
-Both are checked against the einops references in ``tests/test_demos.py``.
+All three are checked against the einops references in ``tests/test_demos.py``.
 """
 
 from __future__ import annotations
@@ -212,8 +212,8 @@ def scaled_down(trie, factor: int):
     each node keeping its first ``ceil(tokens / factor)`` tokens (so siblings still start with different
     tokens and the radix trie is the same tree), and the token ids renumbered ``0 .. V-1`` in order of
     first use, so that a small model's vocabulary holds them (``V``: the largest id plus one). Run with
-    the block size and token budget divided by ``factor`` too, a walk over the copy makes as many
-    micro-batches, blocks and model calls as one over ``trie``."""
+    the block size and token budget divided by ``factor`` too, a walk over the copy makes about as many
+    micro-batches, blocks and model calls as one over ``trie`` (rounding each node up adds a few)."""
     from ..trie import RolloutTrie
 
     if int(factor) != factor or factor < 1:
