@@ -307,17 +307,39 @@ def test_micro_batches_with_a_calibrated_model_and_a_memory_limit():
 
 
 def train_bench_payload():
-    return viz.load_calibrated_train_results("NVIDIA-H200")
+    return viz.load_calibrated_train_results()
 
 
-def test_train_bench_figure_from_the_committed_h200_results():
+def test_train_bench_figure_from_the_committed_gpu_results():
     payload = train_bench_payload()
     fig = viz.draw_train_bench(payload)
     bars = [t for t in fig.data if t.type == "bar"]
     modes = {r["mode"] for r in payload["rows"]}
     assert len(bars) == 2 * len(modes)
-    assert "H200" in fig.layout.title.text
+    assert payload["environment"]["device"] in fig.layout.title.text
     json.dumps(fig.to_plotly_json(), default=str)  # serialisable
+
+
+def test_calibrated_train_results_skip_variant_files(tmp_path):
+    def write(name, time_utc, calibrated=True):
+        payload = {
+            "environment": {"device": name, "time_utc": time_utc},
+            "cost_model": {"calibrated": calibrated},
+        }
+        (tmp_path / f"{name}__torch-x__triton-y.json").write_text(json.dumps(payload))
+
+    write("train__GPU-A", "2026-01-01T00:00:00Z")
+    write("train__GPU-B", "2026-01-02T00:00:00Z")
+    write("train__GPU-C", "2026-01-05T00:00:00Z", calibrated=False)  # newest, but not calibrated
+    write("train-before-change__GPU-A", "2026-01-03T00:00:00Z")  # a variant: never picked
+    write("train-probe__GPU-B", "2026-01-04T00:00:00Z")
+    newest = viz.load_calibrated_train_results(directory=tmp_path)
+    assert newest["environment"]["device"] == "train__GPU-B"
+    assert viz.load_calibrated_train_results("GPU-A", tmp_path)["environment"]["device"] == "train__GPU-A"
+    with pytest.raises(FileNotFoundError, match="calibrated"):
+        viz.load_calibrated_train_results("GPU-C", tmp_path)
+    with pytest.raises(FileNotFoundError):
+        viz.load_calibrated_train_results("GPU-D", tmp_path)
 
 
 def test_gradient_errors_figure():

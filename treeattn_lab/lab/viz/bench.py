@@ -39,20 +39,26 @@ def load_bench_results(bench: str = "tree", device: str = "NVIDIA-H200", directo
     return max(payloads, key=lambda d: d.get("environment", {}).get("time_utc", ""))
 
 
-def load_calibrated_train_results(device: str = "NVIDIA-H200", directory=None) -> dict:
-    """The newest committed ``bench train`` run (``train__`` or ``train-<variant>__`` files) whose cost model
-    was calibrated: a run that profiled one set with a short calibration leaves it uncalibrated, and the
-    cost-model views need measured coefficients and memory."""
+def load_calibrated_train_results(device: str | None = None, directory=None) -> dict:
+    """The newest committed plain ``bench train`` run, ``train__<device>__*.json``, whose cost model was
+    calibrated: a run that profiled one set with a short calibration leaves it uncalibrated, and the
+    cost-model views need measured coefficients and memory.
+
+    Only the plain bench file of a device counts: a ``train-<variant>__`` file (a run kept for comparison,
+    such as ``train-before-<change>__``, or a probe of one set) is never picked. ``device``: the file-name
+    form (``"NVIDIA-H200"``, ``"NVIDIA-H100-80GB-HBM3"``); None takes the newest run on any device
+    (``environment.device`` names it)."""
     import json
     from pathlib import Path
 
     from ...bench.harness import RESULTS_DIR
 
     folder = Path(directory) if directory is not None else RESULTS_DIR
-    payloads = [json.loads(p.read_text()) for p in sorted(folder.glob(f"train*__{device}__*.json"))]
+    pattern = f"train__{device}__*.json" if device is not None else "train__*__*.json"
+    payloads = [json.loads(p.read_text()) for p in sorted(folder.glob(pattern))]
     calibrated = [d for d in payloads if d.get("cost_model", {}).get("calibrated")]
     if not calibrated:
-        raise FileNotFoundError(f"no train*__{device}__*.json under {folder} with a calibrated cost model")
+        raise FileNotFoundError(f"no {pattern} under {folder} with a calibrated cost model")
     return max(calibrated, key=lambda d: d.get("environment", {}).get("time_utc", ""))
 
 
