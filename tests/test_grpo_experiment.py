@@ -18,7 +18,14 @@ def _run(tmp_path, *args):
 
 
 def test_tiny_mode_end_to_end(tmp_path, capsys):
-    path, result = _run(tmp_path, "--seeds", "3", "--budget-s", "1e6")  # a budget that never binds
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        path, result = _run(tmp_path, "--seeds", "3", "--budget-s", "1e6", "--threads", "1")  # never binds
+        assert result["environment"]["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(threads)
     assert "GRPO flat vs tree" in capsys.readouterr().out
     cfg = grpo_tree.MODES["tiny"]
     rows = result["steps"]
@@ -38,6 +45,9 @@ def test_tiny_mode_end_to_end(tmp_path, capsys):
     head = result["headline"]
     assert head["token_ratio"] > 1 and head["learner_speedup"] > 0 and head["learner_speedup_median"] > 0
     assert {s["loop"] for s in result["rows"]} == {"flat", "tree"}
+    for s in result["rows"]:
+        assert s["eval_gain"] == pytest.approx(s["eval_after"] - s["eval_before"])
+        assert head[s["loop"]]["eval_gain"] == pytest.approx(s["eval_gain"])  # one seed: its own gain
     assert result["config"]["model"]["dim"] == cfg.model.dim and result["environment"]["device"] == "cpu"
     assert not list(tmp_path.glob(".*.tmp")), "written through a temporary file, then replaced"
 
@@ -71,6 +81,23 @@ def test_merge_of_per_seed_runs(tmp_path):
         assert [r[key] for r in merged_json["rows"]] == [r[key] for r in both["rows"]], key
     with pytest.raises(SystemExit):  # a tiny run is not a quick run
         grpo_tree.main(["--mode", "quick", "--merge", str(a_path), "--no-save"])
+
+
+def test_headline_gives_the_greedy_gain_per_loop_with_its_spread():
+    rows = []
+    greedy = [(0.2, 0.9, 0.9), (0.3, 0.5, 0.6), (0.1, 0.8, 0.7)]  # per seed: before, flat after, tree after
+    for seed, (before, flat_after, tree_after) in enumerate(greedy):
+        for loop, after in (("flat", flat_after), ("tree", tree_after)):
+            rows.append({"seed": seed, "loop": loop, "final_reward": after, "eval_before": before,
+                         "eval_after": after, "learner_s": 2.0 if loop == "flat" else 1.0,
+                         "learner_median_s": 1.0, "step_s": 2.5, "token_ratio": 4.0})
+    check = {seed: {"tree_vs_flat": 1e-7, "flat_vs_fp64": 1e-6, "tree_vs_fp64": 1e-6} for seed in range(3)}
+    head = grpo_tree.headline(rows, check)
+    assert head["flat"]["eval_before"] == pytest.approx(0.2)
+    assert head["flat"]["eval_gain"] == pytest.approx((0.7 + 0.2 + 0.7) / 3)
+    assert (head["flat"]["eval_gain_min"], head["flat"]["eval_gain_max"]) == pytest.approx((0.2, 0.7))
+    assert (head["tree"]["eval_gain_min"], head["tree"]["eval_gain_max"]) == pytest.approx((0.3, 0.7))
+    assert head["learner_speedup"] == pytest.approx(2.0)
 
 
 def test_budget_stops_after_the_first_step_and_still_evaluates(tmp_path, capsys):

@@ -177,6 +177,32 @@ def test_forks_follow_the_turns():
         assert int(starts_of_replies) == 2 and generated[0] and generated[-1]
 
 
+def test_the_tree_attention_backend_changes_the_kernel_not_the_gradients(monkeypatch):
+    import treeattn_lab.ops.tree as tree_ops
+
+    calls = []
+    real = tree_ops.flat_tree_attention
+    monkeypatch.setattr(tree_ops, "flat_tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    task = AdditionTask(digits=1, shots=2)
+    model = small_model()
+    grads, rollouts = {}, None
+    for backend in ("reference", "flat"):
+        config = GRPOConfig(prompts_per_step=2, group_size=4, beta=0.04, attention_backend=backend)
+        trainer = GRPO(copy.deepcopy(model), task, config, mode="tree", seed=0)
+        assert trainer.engine == {"mode": "packed", "attention_backend": backend}
+        if rollouts is None:
+            rollouts = trainer.rollouts(0)
+            trainer.score(rollouts)
+        ran = len(calls)
+        grads[backend] = gradients(trainer, rollouts)
+        assert (len(calls) > ran) == (backend == "flat")
+    assert torch.allclose(grads["flat"], grads["reference"], rtol=1e-4, atol=1e-6)
+    flat = GRPO(model, task, GRPOConfig(attention_backend="flat"), mode="flat")
+    assert flat.engine == {"mode": "flat", "attention_backend": "flat"}
+    with pytest.raises(TypeError, match="attention_backend"):
+        GRPOConfig(attention_backend=None)
+
+
 def test_bad_mode():
     with pytest.raises(ValueError, match="mode must be one of"):
         GRPO(small_model(), AdditionTask(), mode="packed")

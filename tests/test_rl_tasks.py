@@ -3,6 +3,8 @@ the multi-turn environment and the supervised warm-up."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -109,6 +111,35 @@ def test_warm_up_reaches_a_nonzero_reward():
     history = task.warm_up(model, steps=150, progress=False)
     assert history["loss"][-1] < history["loss"][0] / 3
     assert task.evaluate(model, held_out) > 0.3
+
+
+def _offsets(task, tokens):
+    """Each warm-up line's answer minus its true sum."""
+    lines = [re.fullmatch(r"(\d+)\+(\d+)=(\d+)", line) for line in task.tokenizer.decode(tokens).splitlines()]
+    return [int(m[3]) - int(m[1]) - int(m[2]) for m in lines]
+
+
+def test_warm_up_lines_are_one_too_high_at_the_error_rate(monkeypatch):
+    task = AdditionTask(digits=1, shots=2)
+    exact = task.training_tokens(200, seed=3)
+    assert torch.equal(exact, task.training_tokens(200, seed=3, error_rate=0.0))
+    assert set(_offsets(task, exact)) == {0}
+    assert set(_offsets(task, task.training_tokens(200, seed=3, error_rate=1.0))) == {1}
+    offsets = _offsets(task, task.training_tokens(4000, seed=3, error_rate=0.6))
+    assert set(offsets) == {0, 1} and 0.57 < sum(offsets) / len(offsets) < 0.63
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="error_rate"):
+            task.training_tokens(10, error_rate=bad)
+    asked, real = [], task.training_tokens
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["error_rate"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(task, "training_tokens", spy)
+    model = TinyLM(TinyLMConfig(vocab_size=256, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32))
+    task.warm_up(model, steps=1, error_rate=0.25, progress=False)
+    assert asked == [0.25]
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(digits=0), "digits"), (dict(turns=0), "turns"),

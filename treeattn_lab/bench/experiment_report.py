@@ -36,13 +36,17 @@ def layer_name(layer) -> str:
 
 
 def render_grpo(p: dict) -> list[str]:
-    """The GRPO loop flat against the tree: per seed and loop, rewards and seconds per phase."""
+    """The GRPO loop flat against the tree: per seed and loop, rewards and seconds per phase; over the
+    seeds, each loop's means and ranges (the held-out greedy gain among them), then the comparisons."""
     head = {k: v for k, v in p.get("headline", {}).items() if not isinstance(v, dict)}
+    loops = {k: v for k, v in p.get("headline", {}).items() if isinstance(v, dict)}
     out = [f"Configuration: {mapping({k: v for k, v in p.get('config', {}).items() if k != 'model'})}.", ""]
     if p.get("stopped_early"):
         out += [f"Stopped early by `--budget-s`: GRPO steps done per seed {mapping(p.get('steps_done', {}))} "
                 f"of {p.get('config', {}).get('steps')}.", ""]
     out += render_rows(p)
+    for loop, values in loops.items():
+        out += [f"The {loop} loop over the seeds: {mapping(values)}.", ""]
     if head:
         out += [f"Over the seeds: {mapping(head)}", ""]
     if p.get("grad_check"):

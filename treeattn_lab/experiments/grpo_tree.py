@@ -3,7 +3,9 @@
 Protocol, per seed (:mod:`treeattn_lab.rl.grpo`, :mod:`treeattn_lab.rl.tasks`):
 
 1. A byte-level :class:`~treeattn_lab.reference.TinyLM` is warmed up with ``warmup_steps`` supervised steps
-   on solved addition lines, so that RL starts from a reward above zero.
+   on solved addition lines, so that RL starts from a reward above zero; a share ``warmup_error`` of those
+   lines is one too high (:mod:`treeattn_lab.rl.tasks`), which leaves the model a gap that only the
+   checked reward shows.
 2. Step-0 gradients: one sampled batch, the loop's objective, its gradient through the flat and through
    the tree engine mode (float32) and through the flat mode in float64; the relative differences
    tree-flat, flat-float64 and tree-float64 are recorded (:func:`gradient_check`).
@@ -12,20 +14,26 @@ Protocol, per seed (:mod:`treeattn_lab.rl.grpo`, :mod:`treeattn_lab.rl.tasks`):
    alternate (flat first on even steps, tree first on odd ones), so load on a shared machine hits both.
 4. Greedy reward on ``eval_problems`` held-out problems, before RL and after each run.
 
+The tree loop runs tree attention with ``attention_backend``. On a CPU, ``"auto"`` is the reference, which
+scores every (query, key) pair of the packed row and masks most of them away: for many short rollouts,
+more pairs than the flat loop computes. ``"flat"`` gathers each rollout out of the pack and runs causal
+attention per rollout (:mod:`treeattn_lab.ops.flat_tree`), so attention costs what it costs flat while
+every other layer runs once per tree token; the quick mode, sized for a CPU, uses it.
+
 Recorded per step: reward, loss, time per phase (sample, reward, log-probs, train), peak memory, and the
 token ratio (flat tokens / tree tokens) of the batch that real sampling made. The summary compares the
-final reward (the mean sampled reward of the last ``final_window`` steps, and the greedy evaluation) and
-the log-prob + training time per step, flat against tree.
+final reward (the mean sampled reward of the last ``final_window`` steps, and the greedy evaluation with
+its gain over the warm-up's, per seed) and the log-prob + training time per step, flat against tree.
 
 Time per phase and per step is summarised twice: the mean over every step after the first (the first pays
 one-time costs: allocations, caches, compilation), and the median, which also passes over the odd step
 that compiles again or autotunes for a new shape.
 
-Modes: ``tiny`` (CI, seconds), ``quick`` (sized for a 2-core CPU: three seeds within ten minutes; run the
-seeds one after another, or as separate processes joined with ``--merge``), ``full`` (sized for one H200:
-one seed per process, at 32 prompts x 16 rollouts a step so that the learner phases carry real work;
-give each process its own ``--out`` folder, since the file name holds no seed, and join the files with
-``--merge``).
+Modes: ``tiny`` (CI, seconds), ``quick`` (sized for a 2-core CPU: three seeds within ten minutes, one
+torch thread each; run the seeds one after another, or as separate processes joined with ``--merge``),
+``full`` (sized for one H200: one seed per process, at 32 prompts x 16 rollouts a step so that the
+learner phases carry real work; give each process its own ``--out`` folder, since the file name holds no
+seed, and join the files with ``--merge``).
 A result file's ``rows`` are the per-(seed, loop) summary; ``steps`` holds every step's record,
 ``steps_done`` the GRPO steps each seed took and ``stopped_early`` whether a seed took fewer than
 ``config["steps"]``.
@@ -37,7 +45,10 @@ seed still warms up, checks its step-0 gradients and takes at least one step, so
 seed per process. A run of several seeds writes its result file after each seed, for the seeds done
 (atomically, like the last).
 
-    python -m treeattn_lab.experiments.grpo_tree --mode quick --seeds 0,1,2
+``--threads N`` sets torch's CPU threads (a result's environment records the count it ran with): on a CPU
+shared with other work, one thread per process keeps threads from waiting on each other.
+
+    python -m treeattn_lab.experiments.grpo_tree --mode quick --seeds 0,1,2 --threads 1
     python -m treeattn_lab.experiments.grpo_tree --mode full --seeds 0 --budget-s 480
 """
 
@@ -76,6 +87,7 @@ class ExperimentConfig:
     model: TinyLMConfig = field(default_factory=lambda: tiny_lm_config(dim=128, ffn_dim=344))
     warmup_steps: int = 170
     warmup_lr: float = 3e-3
+    warmup_error: float = 0.0  # share of warm-up lines one too high (AdditionTask.warm_up's error_rate)
     steps: int = 40
     prompts_per_step: int = 16
     group_size: int = 8
@@ -84,6 +96,7 @@ class ExperimentConfig:
     ppo_epochs: int = 2
     beta: float = 0.04
     tree_mode: str = "packed"
+    attention_backend: str = "auto"  # the tree loop's tree attention (module docstring)
     eval_problems: int = 64
     final_window: int = 10
     seeds: tuple[int, ...] = (0,)
@@ -94,14 +107,18 @@ class ExperimentConfig:
     def grpo(self) -> GRPOConfig:
         return GRPOConfig(prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                           forks=self.forks, lr=self.lr, ppo_epochs=self.ppo_epochs, beta=self.beta,
-                          tree_mode=self.tree_mode)
+                          tree_mode=self.tree_mode, attention_backend=self.attention_backend)
 
 
 MODES = {
     "tiny": ExperimentConfig(model=tiny_lm_config(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64),
                              shots=3, warmup_steps=20, steps=3, prompts_per_step=2, group_size=4,
                              eval_problems=8, final_window=2),
-    "quick": ExperimentConfig(seeds=(0, 1, 2)),
+    # One digit, 8 shots: prompts of about 50 tokens shared by 8 rollouts of 2 to 3 tokens. With 60% of the
+    # warm-up lines one too high, 300 steps leave a model that samples the right sum about half the time
+    # but ranks the wrong one first on most problems (greedy reward about 0.2): a gap every problem shares.
+    "quick": ExperimentConfig(warmup_steps=300, warmup_error=0.6, steps=30, prompts_per_step=16, group_size=8,
+                              lr=1e-4, eval_problems=256, attention_backend="flat", seeds=(0, 1, 2)),
     "full": ExperimentConfig(digits=2, shots=32, turns=2, forks=(2,),
                              model=tiny_lm_config(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1376),
                              warmup_steps=2000, steps=48, prompts_per_step=32,
@@ -161,7 +178,8 @@ def run_seed(cfg: ExperimentConfig, seed: int, device, progress: bool = True,
     task = cfg.task()
     torch.manual_seed(seed)
     model = TinyLM(cfg.model).to(device)
-    task.warm_up(model, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=seed, progress=progress)
+    task.warm_up(model, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=seed, error_rate=cfg.warmup_error,
+                 progress=progress)
     held_out = task.problems(cfg.eval_problems, seed=10_000 + seed)
     eval_start = time.perf_counter()
     evals = {"warm-up": task.evaluate(model, held_out)}
@@ -207,6 +225,7 @@ def summarize(steps: list[dict], evals: dict, final_window: int) -> list[dict]:
                 "first_reward": mine[0]["reward"],
                 "eval_before": evals[seed]["warm-up"],
                 "eval_after": evals[seed][loop],
+                "eval_gain": evals[seed][loop] - evals[seed]["warm-up"],
                 **{f"{p}_s": statistics.fmean(r["times_s"][p] for r in timed) for p in PHASES},
                 "learner_s": statistics.fmean(_learner_s(r) for r in timed),
                 "step_s": statistics.fmean(r["step_s"] for r in timed),
@@ -220,15 +239,21 @@ def summarize(steps: list[dict], evals: dict, final_window: int) -> list[dict]:
 
 
 def headline(summary: list[dict], grad_check: dict) -> dict:
-    """Flat against tree over seeds: final rewards (mean and range), learner time per step and its
-    speed-up, of the means and of the medians; the largest step-0 gradient differences
-    (:func:`gradient_check`) and whether every seed's tree gradient was as exact as flat's."""
+    """Flat against tree over seeds: final rewards (mean and range), the held-out greedy reward before and
+    after RL and its gain (mean and range over seeds), learner time per step and its speed-up, of the means
+    and of the medians; the largest step-0 gradient differences (:func:`gradient_check`) and whether every
+    seed's tree gradient was as exact as flat's."""
     by = {loop: [s for s in summary if s["loop"] == loop] for loop in LOOPS}
     out = {}
     for loop, rows in by.items():
         finals = [s["final_reward"] for s in rows]
+        gains = [s["eval_after"] - s["eval_before"] for s in rows]
         out[loop] = {"final_reward": statistics.fmean(finals), "final_min": min(finals),
-                     "final_max": max(finals), "eval_after": statistics.fmean(s["eval_after"] for s in rows),
+                     "final_max": max(finals),
+                     "eval_before": statistics.fmean(s["eval_before"] for s in rows),
+                     "eval_after": statistics.fmean(s["eval_after"] for s in rows),
+                     "eval_gain": statistics.fmean(gains), "eval_gain_min": min(gains),
+                     "eval_gain_max": max(gains),
                      "learner_s": statistics.fmean(s["learner_s"] for s in rows),
                      "learner_median_s": statistics.fmean(s["learner_median_s"] for s in rows),
                      "step_s": statistics.fmean(s["step_s"] for s in rows)}
@@ -308,6 +333,7 @@ def merge_results(results: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------------------- command line
 COLUMNS = [("seed", "seed"), ("loop", "loop"), ("first_reward", "reward step 0"),
            ("final_reward", "final reward"), ("eval_before", "greedy before"), ("eval_after", "greedy after"),
+           ("eval_gain", "greedy gain"),
            ("logprobs_s", "log-probs s"), ("train_s", "train s"), ("sample_s", "sample s"),
            ("learner_median_s", "learner median s"), ("step_s", "step s"), ("token_ratio", "token ratio"),
            ("steps", "steps")]
@@ -340,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no GRPO step that would end (with the final evaluation) past this many "
                              "seconds of the run; the seeds are still evaluated and saved")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch's CPU threads (default: torch's own choice)")
     parser.add_argument("--no-save", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
@@ -353,8 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, seeds=args.seeds)
     if args.merge and args.budget_s is not None:
         parser.error("--budget-s bounds a run's GRPO steps; --merge trains nothing")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     saved = [json.loads(Path(f).read_text()) for f in args.merge or ()]
-    env = saved[0]["environment"] if saved else environment()  # merged: where the runs ran, not here
+    # merged: where the runs ran, not here
+    env = saved[0]["environment"] if saved else {**environment(), "torch_threads": torch.get_num_threads()}
 
     def save(result: dict) -> Path:
         # the summary is the file's table (rows); the per-step records go with it as "steps"

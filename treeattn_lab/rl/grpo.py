@@ -14,11 +14,13 @@ One step of :class:`GRPO` (``GRPO.step``, read it top to bottom):
    clipping, an AdamW step. Epoch 1 has ratio 1 everywhere; later epochs see the clip.
 
 ``mode="tree"`` runs phases 3 and 4 over the packed trie (each shared prefix token once; the engine mode
-``tree_mode``, ``"packed"`` by default); ``mode="flat"`` runs the identical loop with every rollout padded
-on its own (engine mode ``"flat"``). Both give the same gradients; only the time differs. Every phase is
-timed (wall clock, CUDA synchronised), the step's record holds the CUDA peak memory (or the process's peak
-resident memory on a CPU), and a :class:`treeattn_lab.lab.monitor.LiveMonitor` passed as ``monitor`` gets
-one step per GRPO step.
+``tree_mode``, ``"packed"`` by default, with the tree attention ``attention_backend``: ``"auto"`` picks a
+kernel on a GPU and the dense reference on a CPU, ``"flat"`` runs causal attention per rollout gathered
+from the pack, see :func:`treeattn_lab.ops.tree_attention`); ``mode="flat"`` runs the identical loop with
+every rollout padded on its own (engine mode ``"flat"``). Both give the same gradients; only the time
+differs. Every phase is timed (wall clock, CUDA synchronised), the step's record holds the CUDA peak
+memory (or the process's peak resident memory on a CPU), and a
+:class:`treeattn_lab.lab.monitor.LiveMonitor` passed as ``monitor`` gets one step per GRPO step.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class GRPOConfig:
     advantage_scale: str = "group"
     grad_clip: float = 1.0
     tree_mode: str = "packed"  # the engine mode of mode="tree": "packed", "dfs" or "auto"
+    attention_backend: str = "auto"  # the tree attention of mode="tree" (treeattn_lab.ops.tree_attention)
 
     def __post_init__(self):
         check_int("prompts_per_step", self.prompts_per_step)
@@ -72,6 +75,8 @@ class GRPOConfig:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.tree_mode not in ("packed", "dfs", "auto"):
             raise ValueError(f"tree_mode must be 'packed', 'dfs' or 'auto', got {self.tree_mode!r}")
+        if not isinstance(self.attention_backend, str):
+            raise TypeError(f"attention_backend must be a backend name, got {self.attention_backend!r}")
         if not (self.lr > 0 and self.grad_clip > 0 and self.beta >= 0):
             raise ValueError("lr and grad_clip must be > 0, beta >= 0")
 
@@ -148,6 +153,8 @@ class GRPO:
         self.model, self.task, self.config = model, task, config or GRPOConfig()
         self.mode, self.seed, self.monitor = mode, check_int("seed", seed, minimum=0), monitor
         self.engine_mode = "flat" if mode == "flat" else self.config.tree_mode
+        # how tree_logprobs and tree_backward run this loop
+        self.engine = {"mode": self.engine_mode, "attention_backend": self.config.attention_backend}
         self.forks = _turn_forks(self.config.forks, getattr(task, "turns", 1))
         if ref_model is None and self.config.beta > 0:
             ref_model = copy.deepcopy(model).requires_grad_(False)
@@ -188,8 +195,8 @@ class GRPO:
     def objective(self, rollouts: Rollouts):
         """Phase 3: the old (and reference) policy's log-probs over the trie, closed into the objective."""
         cfg, trie = self.config, rollouts.batch.trie
-        old = tree_logprobs(self.model, trie, mode=self.engine_mode)
-        ref = tree_logprobs(self.ref_model, trie, mode=self.engine_mode) if cfg.beta > 0 else None
+        old = tree_logprobs(self.model, trie, **self.engine)
+        ref = tree_logprobs(self.ref_model, trie, **self.engine) if cfg.beta > 0 else None
         return grpo_objective(
             old,
             rollouts.advantages,
@@ -204,7 +211,7 @@ class GRPO:
     def backward(self, rollouts: Rollouts, objective):
         """One PPO epoch's gradient, into fresh ``.grad``: ``tree_backward`` in this loop's engine mode."""
         self.optimizer.zero_grad(set_to_none=True)
-        return tree_backward(self.model, rollouts.batch.trie, objective=objective, mode=self.engine_mode)
+        return tree_backward(self.model, rollouts.batch.trie, objective=objective, **self.engine)
 
     # ---------------------------------------------------------------------------------------------- a step
     def step(self) -> dict:

@@ -18,7 +18,11 @@ prompt share the prompt, and rollouts forked at a turn boundary share the whole 
 **Reward**: the fraction of turns whose answer (the generated digits before ``"\\n"``) is the right sum,
 1.0 or 0.0 for one turn. It is checked, never learned. **Warm-up**: a few hundred supervised steps on a
 stream of solved lines (:func:`treeattn_lab.corpus.train_language_model`) teach the format and some sums,
-so RL starts from a reward above zero.
+so RL starts from a reward above zero. ``error_rate`` makes that share of the warm-up's lines one too high
+(``"3+4=8"``), like demonstrations from a sloppy solver: a model that imitates them learns both answers,
+samples the right one only part of the time and often ranks the wrong one first. Imitation cannot tell
+the two apart; the checked reward can, which is the gap RL closes. The prompts' few-shot lines are
+always right.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_in_range, check_int
 from ..corpus import VOCAB_SIZE, train_language_model
 
 
@@ -86,9 +90,11 @@ class AdditionTask:
     def _number(self, rng: random.Random) -> int:
         return rng.randrange(10**self.digits)
 
-    def _line(self, rng: random.Random) -> str:
+    def _line(self, rng: random.Random, error_rate: float = 0.0) -> str:
+        """A solved line; with probability ``error_rate`` its answer is one too high."""
         a, b = self._number(rng), self._number(rng)
-        return f"{a}+{b}={a + b}\n"
+        wrong = error_rate > 0 and rng.random() < error_rate  # an extra draw only when errors are wanted
+        return f"{a}+{b}={a + b + int(wrong)}\n"
 
     def problems(self, n: int, seed: int = 0) -> list[Problem]:
         """``n`` problems drawn from ``seed`` (the same seed, the same problems)."""
@@ -162,10 +168,12 @@ class AdditionTask:
         question = self.max_new_tokens() + self.digits + 2  # "<total>+<operand>="
         return prompt + self.turns * self.max_new_tokens() + (self.turns - 1) * question
 
-    def training_tokens(self, num_lines: int, seed: int = 0) -> torch.Tensor:
-        """A stream of ``num_lines`` solved lines ``"a+b=c\\n"`` as byte tokens, for the warm-up."""
+    def training_tokens(self, num_lines: int, seed: int = 0, error_rate: float = 0.0) -> torch.Tensor:
+        """A stream of ``num_lines`` solved lines ``"a+b=c\\n"`` as byte tokens, for the warm-up; a share
+        ``error_rate`` of them is one too high (module docstring)."""
+        error_rate = check_in_range("error_rate", error_rate, 0.0, 1.0)
         rng = random.Random(seed)
-        text = "".join(self._line(rng) for _ in range(check_int("num_lines", num_lines)))
+        text = "".join(self._line(rng, error_rate) for _ in range(check_int("num_lines", num_lines)))
         return torch.tensor(self.tokenizer.encode(text), dtype=torch.int64)
 
     def warm_up(
@@ -177,14 +185,17 @@ class AdditionTask:
         seq_len: int | None = None,
         lr: float = 3e-3,
         seed: int = 0,
+        error_rate: float = 0.0,
         progress: bool = True,
     ) -> dict[str, list]:
         """Supervised next-byte training on solved lines (the format, and some sums); returns the history.
 
         ``seq_len``: the training window (None: :meth:`rollout_length`, at least 64), so the model has seen
-        every position a rollout reaches."""
+        every position a rollout reaches. ``error_rate``: the share of lines that are one too high
+        (:meth:`training_tokens`)."""
         seq_len = max(64, self.rollout_length()) if seq_len is None else seq_len
-        tokens = self.training_tokens(max(2000, steps * batch_size * seq_len // 8), seed=seed + 7919)
+        tokens = self.training_tokens(max(2000, steps * batch_size * seq_len // 8), seed=seed + 7919,
+                                      error_rate=error_rate)
         return train_language_model(
             model,
             tokens.to(next(model.parameters()).device),
