@@ -30,7 +30,9 @@ def test_learner_parts_time_every_part_on_copies(mode, backend):
     weights = [p.detach().clone() for p in trainer.model.parameters()]
     parts = learner_parts(trainer, rollouts, attention_backend=backend, repeats=1)
     assert list(parts) == list(PARTS) and all(seconds >= 0 for seconds in parts.values())
-    assert parts["forward_backward"] > 0 and parts["optimizer"] > 0 and parts["logprobs"] > 0
+    # timed directly, so never 0; "logprobs" and "layout" are differences of timings (a loaded machine may
+    # make a difference 0, never negative)
+    assert parts["forward_backward"] > 0 and parts["optimizer"] > 0
     assert all(torch.equal(a, b) for a, b in zip(weights, trainer.model.parameters(), strict=True))
     assert not trainer.optimizer.state and all(p.grad is None for p in trainer.model.parameters())
     assert not rollouts.batch.trie._cache  # every round laid out a fresh copy of the trie

@@ -63,7 +63,17 @@ from .live import LiveFigure
 from .masks import draw_mask, draw_masks_side_by_side, flat_causal_mask
 from .micro_batches import draw_micro_batch_table, draw_micro_batches, micro_batch_choices, micro_batch_colors
 from .ring import draw_layouts, draw_ring_work
-from .rl import LOOP_COLORS, add_grpo_record, draw_grpo_live, draw_phase_times, draw_sampled_trie
+from .rl import (
+    LOOP_COLORS,
+    add_grpo_record,
+    draw_greedy_gains,
+    draw_grpo_live,
+    draw_learner_parts,
+    draw_phase_times,
+    draw_reward_curves,
+    draw_sampled_trie,
+    draw_seconds_by_tokens,
+)
 from .sparse_patterns import draw_attention_maps, draw_pattern, draw_recall
 from .sparse_training import draw_retrieval_by_depth, draw_training_curves, draw_training_times
 from .stats import draw_stats_bars, draw_stats_table
@@ -127,6 +137,10 @@ __all__ = [
     "draw_partition",
     "draw_pattern",
     "draw_phase_times",
+    "draw_learner_parts",
+    "draw_reward_curves",
+    "draw_greedy_gains",
+    "draw_seconds_by_tokens",
     "draw_rank_loads",
     "draw_rank_timeline",
     "draw_recall",
