@@ -36,6 +36,12 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def under_ci() -> bool:
+    """Whether this run is CI's (``CI`` or ``TREEATTN_REQUIRE_BROWSER=1``), which builds everything the
+    suite needs: a missing browser or venv then fails a test instead of skipping it."""
+    return bool(os.environ.get("CI")) or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1"
+
+
 # ---------------------------------------------------------------------------------------------- forests
 def _tokens(draw, tok, lo: int, hi: int) -> list[int]:
     """A list of ``lo..hi`` tokens; the length is drawn first so long lists are as likely as short ones."""

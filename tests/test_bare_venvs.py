@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import under_ci
+
 REPO = Path(__file__).resolve().parents[1]
 VENVS = {"make lab": "TREEATTN_LAB_PYTHON", "binder": "TREEATTN_BINDER_PYTHON"}
 DEV_ONLY = ("pytest", "transformers")  # in the dev extra, in no extra a learner installs
@@ -65,14 +67,10 @@ print(environment_report()["triton_mode"], worst)
 """
 
 
-def _under_ci() -> bool:
-    return bool(os.environ.get("CI")) or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1"
-
-
 def _python(venv: str) -> str:
     path = os.environ.get(VENVS[venv])
     if not path:
-        if _under_ci():
+        if under_ci():
             pytest.fail(f"{VENVS[venv]} is not set: `make test` builds the {venv} venv and sets it")
         pytest.skip(f"{VENVS[venv]} is not set (`make test` builds the {venv} venv)")
     if not Path(path).is_file():
@@ -80,7 +78,7 @@ def _python(venv: str) -> str:
     config = (Path(path).parents[1] / "pyvenv.cfg").read_text()
     if "include-system-site-packages = true" in config:  # `make lab` on a python that has torch
         why = f"the {venv} venv sees the system's site-packages, so it cannot show what it lacks"
-        if _under_ci():
+        if under_ci():
             pytest.fail(why)
         pytest.skip(why)
     return path

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import under_ci
+
 pytestmark = [pytest.mark.browser, pytest.mark.xdist_group("browser")]  # one server per worker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,15 +103,11 @@ DONE_JS = f"""() => {{
 }}"""
 
 
-def _under_ci() -> bool:
-    return bool(os.environ.get("CI")) or os.environ.get("TREEATTN_REQUIRE_BROWSER") == "1"
-
-
 def _require(ok: bool, why: str) -> None:
     """Skip where the browser cannot run; fail under CI, which installs it."""
     if ok:
         return
-    if _under_ci():
+    if under_ci():
         pytest.fail(f"{why} (required under CI)")
     pytest.skip(why)
 
@@ -122,7 +120,7 @@ def _lab_python() -> str:
     if path:
         assert Path(path).is_file(), f"TREEATTN_LAB_PYTHON={path}: no such interpreter"
         return path
-    if _under_ci():
+    if under_ci():
         pytest.fail("TREEATTN_LAB_PYTHON is not set: `make test` builds the `make lab` venv and names it")
     return sys.executable
 

@@ -60,16 +60,20 @@ def text_px(text: str) -> float:
     return CHAR_PX * max(len(line) for line in text.split("<br>"))
 
 
+def _rows(pos: dict, nodes) -> list[list]:
+    """``nodes`` grouped by depth (their y in ``pos``), each row ordered left to right."""
+    rows: dict[float, list] = {}
+    for n in nodes:
+        rows.setdefault(pos[n][1], []).append(n)
+    return [sorted(row, key=lambda n: pos[n][0]) for row in rows.values()]
+
+
 def _row_neighbours(pos: dict, nodes, x_lo: float, x_hi: float) -> dict:
     """``{node: (left gap, left neighbour, right gap, right neighbour)}``: the distance in x units to the
     nearest drawn node of the same depth on either side and that node (to ``x_lo`` / ``x_hi`` and None at
     the row's ends)."""
-    rows: dict[float, list] = {}
-    for n in nodes:
-        rows.setdefault(pos[n][1], []).append(n)
     out = {}
-    for row in rows.values():
-        row.sort(key=lambda n: pos[n][0])
+    for row in _rows(pos, nodes):
         xs = [x_lo] + [pos[n][0] for n in row] + [x_hi]
         ns = [None, *row, None]
         for i, n in enumerate(row, start=1):
@@ -81,12 +85,8 @@ def _stagger_rooms(pos: dict, leaves, px_per_x: float, x_lo: float, x_hi: float)
     """``{leaf: (level, room)}`` for labels below the leaves set on two levels, alternating along each
     row: a label's room is the distance to the next leaf on its own level (two along the row), or twice
     the distance to the axis end where there is none."""
-    rows: dict[float, list] = {}
-    for n in leaves:
-        rows.setdefault(pos[n][1], []).append(n)
     out = {}
-    for row in rows.values():
-        row.sort(key=lambda n: pos[n][0])
+    for row in _rows(pos, leaves):
         for i, n in enumerate(row):
             x = pos[n][0]
             left = x - pos[row[i - 2]][0] if i >= 2 else 2 * (x - x_lo)
